@@ -1,0 +1,418 @@
+"""The `thinconv` command line: parses arguments, calls the library, renders results.
+
+Exit codes: 0 success, 1 failure (invalid input, failed check), 2 usage error.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                           TransferSpeedColumn)
+from rich.table import Table
+
+from thinconv.errors import ThinError, UsageError
+
+app = typer.Typer(help="Convert Hugging Face checkpoints into .thin archives, and inspect or verify them.",
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+out = Console()
+err = Console(stderr=True)
+
+
+def fail(message: str, code: int = 1) -> None:
+    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+@contextmanager
+def reported() -> Iterator[None]:
+    """Turn library errors into one line on stderr and the right exit code."""
+    try:
+        yield
+    except UsageError as e:
+        fail(str(e), 2)
+    except ThinError as e:
+        fail(str(e), 1)
+    except KeyboardInterrupt:
+        fail("interrupted; nothing was written", 1)
+
+
+def byte_progress(description: str, total: int, enabled: bool = True) -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                    TimeRemainingColumn(), console=err, transient=True, disable=not enabled)
+
+
+def human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def print_json(data) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+
+
+# ---------------------------------------------------------------- inspect / verify
+
+@app.command()
+def inspect(archive: Path = typer.Argument(..., help="A .thin archive."),
+            as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+            tensors: bool = typer.Option(False, "--tensors", help="List every tensor.")) -> None:
+    """Summarize an archive: model, tensors by role and dtype, pages, size, archive hash."""
+    from thinconv.format.reader import open_archive
+    from thinconv.summary import summarize
+
+    with reported(), open_archive(archive) as a:
+        s = summarize(a, with_tensors=tensors)
+    if as_json:
+        print_json(s)
+        return
+    m = s["model"]
+    out.print(f"[bold]{s['path']}[/]  {human(s['file_size'])}, {s['page_count']} pages, THIN v{s['format_version']}")
+    out.print(f"archive hash  {s['archive_hash']}")
+    out.print(f"model         {m['architecture']} ({m['source_architecture']}): {m['num_layers']} layers, hidden "
+              f"{m['hidden_size']}, heads {m['num_attention_heads']}/{m['num_kv_heads']} × {m['head_dim']}, "
+              f"ffn {m['intermediate_size']}, vocab {m['vocab_size']}, ctx {m['max_position_embeddings']}"
+              f"{', tied head' if m['tie_word_embeddings'] else ''}", highlight=False)
+    r, a = s["rope"], s["attention"]
+    scaling = "none" if r["scaling"] is None else r["scaling"]["type"]
+    out.print(f"rope          theta {r['theta']:g}, rotary_dim {r['rotary_dim']}, layout {r['layout']}, scaling "
+              f"{scaling}, attention_factor {r['attention_factor']:g}", highlight=False)
+    out.print(f"attention     qkv_bias {a['qkv_bias']}, o_bias {a['o_bias']}, qk_norm {a['qk_norm']}, "
+              f"sliding_window {a['sliding_window']}, scale {a['scale']:.6g}", highlight=False)
+    st = s["special_tokens"]
+    out.print(f"tokens        bos {st['bos']}, eos {st['eos']}, pad {st['pad']}", highlight=False)
+    if s["converter"]:
+        c = s["converter"]
+        src = s["source"] or {}
+        origin = src.get("repo_id") or "local folder"
+        out.print(f"converted by  {c['name']} {c['version']} (recipe {c['recipe']}) from {origin}"
+                  f"{' @ ' + src['commit'][:12] if src.get('commit') else ''}", highlight=False)
+    table = Table(title=f"{s['tensor_count']} tensors, {human(s['tensor_bytes'])}", title_justify="left")
+    for col in ("role", "dtype", "count", "bytes"):
+        table.add_column(col, justify="right" if col in ("count", "bytes") else "left")
+    for row in s["by_role"]:
+        table.add_row(row["role"], row["dtype"], str(row["count"]), human(row["bytes"]))
+    out.print(table)
+    if s["assets"]:
+        out.print("assets        " + ", ".join(f"{x['name']} ({human(x['size'])})" for x in s["assets"]), highlight=False)
+    if s["quant_worst"]:
+        q = Table(title="largest quantization error", title_justify="left")
+        for col in ("tensor", "rel_rmse", "rmse", "max_abs_err"):
+            q.add_column(col)
+        for row in s["quant_worst"]:
+            q.add_row(row["tensor"], f"{row['rel_rmse']:.4g}", f"{row['rmse']:.4g}", f"{row['max_abs_err']:.4g}")
+        out.print(q)
+    if tensors:
+        t = Table(title="tensors", title_justify="left")
+        for col in ("name", "dtype", "shape", "bytes", "pages"):
+            t.add_column(col)
+        for row in s["tensors"]:
+            t.add_row(row["name"], row["dtype"], "×".join(map(str, row["shape"])), human(row["bytes"]), str(row["pages"]))
+        out.print(t)
+
+
+@app.command()
+def verify(archive: Path = typer.Argument(..., help="A .thin archive."),
+           as_json: bool = typer.Option(False, "--json", help="Print the result as JSON.")) -> None:
+    """Check everything: structure, manifest, every page checksum, the archive hash, padding."""
+    from thinconv.format.reader import open_archive
+
+    failures: list[str] = []
+    checked = 0
+    try:
+        a = open_archive(archive)
+    except ThinError as e:
+        failures = [str(e)]
+    else:
+        with a:
+            total = sum(p.size for p in a.pages)
+            with byte_progress("verifying", total, enabled=not as_json) as bar:
+                task = bar.add_task("verifying", total=total)
+                report = a.verify(progress=lambda n: bar.advance(task, n))
+            failures, checked = report.failures, report.bytes_checked
+    if as_json:
+        print_json({"path": str(archive), "ok": not failures, "failures": failures, "bytes_checked": checked})
+    elif failures:
+        for f in failures:
+            err.print(f"[bold red]FAIL[/] {f}", highlight=False, soft_wrap=True)
+        err.print(f"{archive}: INVALID ({len(failures)} problem{'s' * (len(failures) > 1)})", highlight=False)
+    else:
+        out.print(f"{archive}: OK ({human(checked)} checked)", highlight=False)
+    raise typer.Exit(1 if failures else 0)
+
+
+# ---------------------------------------------------------------- pack / unpack
+
+@app.command("pack")
+def pack_cmd(staging: Path = typer.Argument(..., help="A folder holding manifest.json and pages/<id> files."),
+             output: Path = typer.Argument(..., help="The .thin archive to write."),
+             force: bool = typer.Option(False, "--force", help="Overwrite an existing output.")) -> None:
+    """Pack a staging folder into an archive, through the validating packer."""
+    from thinconv.format.staging import pack_staging
+
+    with reported(), byte_progress("packing", 0) as bar:
+        task = bar.add_task("packing", total=None)
+        result = pack_staging(staging, output, force=force, progress=lambda n: bar.advance(task, n))
+    out.print(f"wrote {result.path} ({human(result.size)}, {result.page_count} pages, archive hash "
+              f"{result.archive_hash[:16]}…)", highlight=False)
+
+
+@app.command()
+def unpack(archive: Path = typer.Argument(..., help="A .thin archive."),
+           dest: Path = typer.Argument(..., help="Folder to write manifest.json and pages/ into."),
+           force: bool = typer.Option(False, "--force", help="Replace a non-empty destination folder.")) -> None:
+    """Write an archive back out as a staging folder (pack reproduces it byte for byte)."""
+    from thinconv.format.reader import open_archive
+    from thinconv.format.staging import unpack as unpack_archive
+
+    with reported(), open_archive(archive) as a:
+        n = unpack_archive(a, dest, force=force)
+    out.print(f"wrote {dest}/manifest.json and {n} page files", highlight=False)
+
+
+# ---------------------------------------------------------------- conversion
+
+def parse_size(text: str) -> int:
+    """'16MiB', '16M', '4096' → bytes."""
+    import re
+
+    m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(i?B)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise UsageError(f"--page-size {text!r}: expected a byte count like 16MiB, 4M or 65536")
+    return int(m.group(1)) * {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3}[m.group(2).upper()]
+
+
+def parse_keep(values: list[str]) -> tuple[tuple[str, str], ...]:
+    out = []
+    for v in values:
+        glob, sep, dtype = v.partition("=")
+        if not sep or not glob or not dtype:
+            raise UsageError(f"--keep {v!r}: expected ROLE_GLOB=DTYPE, e.g. 'ffn_down*=q8_0'")
+        out.append((glob.strip(), dtype.strip()))
+    return tuple(out)
+
+
+class RichProgress:
+    """Adapter from the converter's phases to a rich progress bar with bytes/s."""
+
+    def __init__(self, bar: Progress):
+        self.bar, self.task = bar, None
+
+    def start(self, phase: str, total: int) -> None:
+        if self.task is not None:
+            self.bar.remove_task(self.task)
+        self.task = self.bar.add_task(phase, total=total)
+
+    def advance(self, n: int) -> None:
+        self.bar.advance(self.task, n)
+
+
+def run_conversion(src: str, output: Path, recipe_name: Optional[str], dtype: str, page_size: str,
+                   revision: Optional[str], rope_layout: str, keep: list[str], force: bool, strict: bool,
+                   dry_run: bool, as_json: bool, recipes: list[Path]) -> None:
+    import os
+    import time
+
+    from thinconv.checkpoint.source import open_checkpoint
+    from thinconv.convert import convert
+    from thinconv.plan import ConvertOptions, plan_conversion
+    from thinconv.recipe import load_registry
+
+    with reported():
+        options = ConvertOptions(dtype=dtype, page_size=parse_size(page_size), rope_layout=rope_layout,
+                                 keep=parse_keep(keep), strict=strict)
+        if output.exists() and not force and not dry_run:
+            fail(f"{output} already exists (use --force to overwrite)")
+        registry = load_registry(recipes)
+        t0 = time.perf_counter()
+        with open_checkpoint(src, revision=revision, token=os.environ.get("HF_TOKEN")) as ckpt:
+            archs = ckpt.config.get("architectures") or []
+            if recipe_name is None:
+                recipe = registry.for_architecture(archs, f"{src}/config.json")
+            else:
+                recipe = registry.get(recipe_name)
+                if not set(archs) & set(recipe.architectures):
+                    fail(f"{src}/config.json: architecture {', '.join(archs) or '(none)'} is not handled by recipe "
+                         f"{recipe.name!r} ({', '.join(recipe.architectures)}); try `thinconv convert`")
+            plan = plan_conversion(ckpt, recipe, options)
+            if dry_run:
+                render_plan(plan, as_json)
+                return
+            with byte_progress("converting", 0, enabled=not as_json) as bar:
+                result = convert(ckpt, plan, output, force=force, progress=RichProgress(bar))
+    seconds = time.perf_counter() - t0
+    if as_json:
+        print_json({"path": str(result.path), "size": result.size, "page_count": result.page_count,
+                    "archive_hash": result.archive_hash, "seconds": round(seconds, 3), "recipe": plan.recipe.name,
+                    "warnings": result.warnings, "quant": result.quant_overall})
+        return
+    dtypes: dict[str, int] = {}
+    for t in result.manifest["tensors"]:
+        dtypes[t["dtype"]] = dtypes.get(t["dtype"], 0) + 1
+    out.print(f"[bold green]wrote[/] {result.path}  {human(result.size)}, {len(result.manifest['tensors'])} tensors "
+              f"({', '.join(f'{n} {d}' for d, n in dtypes.items())}), {result.page_count} pages, "
+              f"recipe {plan.recipe.name}, {seconds:.1f} s ({human(int(plan.total_bytes / max(seconds, 1e-9)))}/s)",
+              highlight=False)
+    out.print(f"archive hash {result.archive_hash}", highlight=False)
+    q = result.quant_overall
+    if q:
+        out.print(f"quantization: {q['tensors']} tensors, overall rel_rmse {q['rel_rmse']:.4g} "
+                  f"(worst: {q['worst']})", highlight=False)
+    for w in result.warnings:
+        err.print(f"[yellow]warning:[/] {w}", highlight=False, soft_wrap=True)
+
+
+def render_plan(plan, as_json: bool) -> None:
+    d = plan.describe()
+    if as_json:
+        print_json(d)
+        return
+    table = Table(title=f"plan: recipe {d['recipe']}, {len(d['tensors'])} tensors, {d['page_count']} pages, "
+                        f"{human(d['bytes'])} (dry run: nothing read or written)", title_justify="left")
+    for col in ("name", "source", "shape", "dtype", "bytes", "pages"):
+        table.add_column(col)
+    for t in d["tensors"]:
+        dt = t["dtype"] if t["dtype"] == t["source_dtype"] else f"{t['source_dtype']} → {t['dtype']}"
+        table.add_row(t["name"], ", ".join(t["source"]) or "(derived)", "×".join(map(str, t["shape"])),
+                      dt + (" *" if "note" in t else ""), human(t["bytes"]), str(t["pages"]))
+    out.print(table)
+    for t in d["tensors"]:
+        if "note" in t:
+            out.print(f"* {t['name']}: {t['note']}", highlight=False)
+    if d["assets"]:
+        out.print("assets: " + ", ".join(a["name"] for a in d["assets"]), highlight=False)
+    if d["ignored"]:
+        out.print("ignored source tensors: " + ", ".join(d["ignored"]), highlight=False)
+
+
+def make_convert_command(recipe_name: Optional[str], help_text: str):
+    def command(
+        src: str = typer.Argument(..., help="A local checkpoint folder or a Hugging Face repo id (org/name)."),
+        output: Path = typer.Argument(..., help="The .thin archive to write."),
+        dtype: str = typer.Option("auto", "--dtype", help="auto (source dtype) | bf16 | f16 | f32 | q8_0 | q4_0 | q4_1"),
+        page_size: str = typer.Option("16MiB", "--page-size", help="Largest page; big tensors split by whole rows."),
+        revision: Optional[str] = typer.Option(None, "--revision", help="Hub branch, tag or commit."),
+        rope_layout: str = typer.Option("half", "--rope-layout", help="half (HF rotate_half) | interleaved"),
+        keep: list[str] = typer.Option([], "--keep", help="ROLE_GLOB=DTYPE override, repeatable (e.g. 'ffn_down*=q8_0')."),
+        force: bool = typer.Option(False, "--force", help="Overwrite an existing output."),
+        strict: bool = typer.Option(False, "--strict", help="Fail on NaN/Inf weights."),
+        dry_run: bool = typer.Option(False, "--dry-run", help="Print the full plan without reading tensor data."),
+        as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+        recipes: list[Path] = typer.Option([], "--recipes", help="Extra recipe folder (repeatable)."),
+    ) -> None:
+        run_conversion(src, output, recipe_name, dtype, page_size, revision, rope_layout, keep, force, strict,
+                       dry_run, as_json, recipes)
+
+    command.__doc__ = help_text
+    return command
+
+
+app.command("convert")(make_convert_command(None, "Convert a checkpoint, picking the recipe from config.json's architectures."))
+
+recipe_app = typer.Typer(help="Work with recipes.", no_args_is_help=True)
+app.add_typer(recipe_app, name="recipe")
+
+
+@app.command("recipes")
+def list_recipes(recipes: list[Path] = typer.Option([], "--recipes", help="Extra recipe folder (repeatable)."),
+                 as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
+    """List the recipes available (built-in, $THINCONV_RECIPES, --recipes)."""
+    from thinconv.recipe import load_registry
+
+    with reported():
+        reg = load_registry(recipes)
+    rows = [{"name": r.name, "architectures": list(r.architectures), "extends": list(r.chain[1:]), "path": r.path,
+             "description": r.description} for r in reg.recipes.values()]
+    if as_json:
+        print_json({"recipes": rows, "overrides": reg.shadowed})
+        return
+    table = Table(title="recipes", title_justify="left")
+    for col in ("name", "architectures", "extends", "from", "description"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r["name"], ", ".join(r["architectures"]), " → ".join(r["extends"]), r["path"], r["description"])
+    out.print(table)
+    for note in reg.shadowed:
+        out.print(f"note: {note}", highlight=False)
+
+
+@recipe_app.command("check")
+def check_recipe(recipe: str = typer.Argument(..., help="A recipe name, or the path of a recipe .toml file."),
+                 src: str = typer.Argument(..., help="A checkpoint folder or hub repo id."),
+                 revision: Optional[str] = typer.Option(None, "--revision"),
+                 recipes: list[Path] = typer.Option([], "--recipes", help="Extra recipe folder (repeatable)."),
+                 as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
+    """Dry-run a recipe against a checkpoint: unmapped tensors, missing roles, shape mismatches."""
+    import os
+
+    from thinconv.checkpoint.source import open_checkpoint
+    from thinconv.plan import map_checkpoint
+    from thinconv.recipe import load_registry
+
+    with reported():
+        path = Path(recipe)
+        if recipe.endswith(".toml"):
+            if not path.is_file():
+                fail(f"{path}: recipe file not found")
+            registry = load_registry([*recipes, path.parent])
+            import tomllib
+
+            name = tomllib.loads(path.read_text(encoding="utf-8")).get("name", "")
+            chosen = registry.get(name)
+        else:
+            chosen = load_registry(recipes).get(recipe)
+        with open_checkpoint(src, revision=revision, token=os.environ.get("HF_TOKEN")) as ckpt:
+            report = map_checkpoint(ckpt, chosen)
+    result = {"recipe": chosen.name, "ok": not report.problems, "mapped": len(report.mapped),
+              "ignored": report.ignored, "unmapped": report.unmapped, "missing": report.missing,
+              "problems": report.problems}
+    if as_json:
+        print_json(result)
+    else:
+        out.print(f"recipe {chosen.name} on {src}: {len(report.mapped)} tensors mapped, {len(report.ignored)} ignored",
+                  highlight=False)
+        for p in report.problems:
+            err.print(f"[bold red]problem:[/] {p}", highlight=False, soft_wrap=True)
+        if not report.problems:
+            out.print("[green]OK[/]: every source tensor is mapped or ignored, every required tensor is present, "
+                      "shapes agree with config.json")
+    raise typer.Exit(1 if report.problems else 0)
+
+
+def _register_recipe_commands(argv: list[str]) -> None:
+    """One sub-command per recipe (thinconv llama SRC OUT …), including user recipes named by
+    $THINCONV_RECIPES or --recipes on this command line."""
+    from thinconv.errors import RecipeError
+    from thinconv.recipe import load_registry
+
+    extra = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--recipes"]
+    extra += [a.split("=", 1)[1] for a in argv if a.startswith("--recipes=")]
+    try:
+        registry = load_registry(extra)
+    except RecipeError:
+        return  # a broken user recipe: `thinconv recipes` / `convert` report it when run
+    for r in registry.recipes.values():
+        app.command(r.name)(make_convert_command(r.name, f"Convert a {', '.join(r.architectures)} checkpoint "
+                                                         f"(recipe {r.name}: {r.description})."))
+
+
+def main() -> None:
+    # A file-size limit (RLIMIT_FSIZE) must surface as an error we clean up after, not a kill.
+    if hasattr(signal, "SIGXFSZ"):
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    _register_recipe_commands(sys.argv[1:])
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,516 @@
+"""Manifest structure validation (spec §2): every rule, every error, each with its key path."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from thinconv.errors import ThinFormatError
+from thinconv.format import spec
+
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+@dataclass
+class ValidationReport:
+    """All problems found, each as (key path, message). Empty means valid."""
+
+    errors: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+    def add(self, path: str, message: str) -> None:
+        self.errors.append((path, message))
+
+    def lines(self) -> list[str]:
+        return [f"{path}: {message}" if path else message for path, message in self.errors]
+
+    def raise_if_invalid(self, what: str = "manifest", cls: type[Exception] = ThinFormatError) -> None:
+        if self.errors:
+            n = len(self.errors)
+            raise cls(f"{what} is invalid ({n} error{'s' * (n > 1)}): " + "; ".join(self.lines()))
+
+
+def parse_manifest(data: bytes, where: str = "manifest") -> Any:
+    """Decode manifest bytes strictly: UTF-8, JSON, no duplicate keys, no NaN/Infinity."""
+
+    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
+        out: dict = {}
+        for key, value in pairs:
+            if key in out:
+                raise ThinFormatError(f"{where}: duplicate key {key!r}")
+            out[key] = value
+        return out
+
+    def no_constants(name: str) -> Any:
+        raise ThinFormatError(f"{where}: {name} is not allowed (JSON numbers must be finite)")
+
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ThinFormatError(f"{where}: not UTF-8 (byte {e.start})") from None
+    try:
+        return json.loads(text, object_pairs_hook=no_duplicates, parse_constant=no_constants)
+    except json.JSONDecodeError as e:
+        raise ThinFormatError(f"{where}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+    except RecursionError:
+        raise ThinFormatError(f"{where}: JSON nested too deeply") from None
+
+
+# -- small typed checks; each returns whether the value passed so callers can skip dependents --
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+
+
+class _Checker:
+    def __init__(self, report: ValidationReport):
+        self.r = report
+
+    def obj(self, v: Any, path: str, keys: tuple[str, ...] | None = None, optional: tuple[str, ...] = ()) -> bool:
+        if not isinstance(v, dict):
+            self.r.add(path, f"expected an object, got {_kind(v)}")
+            return False
+        if keys is not None:
+            for k in keys:
+                if k not in v:
+                    self.r.add(_join(path, k), "missing")
+            for k in sorted(set(v) - set(keys) - set(optional)):
+                self.r.add(_join(path, k), "unknown key")
+        return True
+
+    def int(self, v: Any, path: str, lo: int | None = None, hi: int | None = None, null: bool = False) -> bool:
+        if v is None and null:
+            return True
+        if not _is_int(v):
+            self.r.add(path, f"expected an integer{' or null' * null}, got {_kind(v)}")
+            return False
+        if (lo is not None and v < lo) or (hi is not None and v > hi):
+            rng = f"≥ {lo}" if hi is None else f"in [{lo}, {hi}]"
+            self.r.add(path, f"expected an integer {rng}, got {v}")
+            return False
+        return True
+
+    def num(self, v: Any, path: str, positive: bool = False, null: bool = False) -> bool:
+        if v is None and null:
+            return True
+        if not _is_num(v):
+            self.r.add(path, f"expected a number{' or null' * null}, got {_kind(v)}")
+            return False
+        if positive and v <= 0:
+            self.r.add(path, f"expected a positive number, got {v}")
+            return False
+        return True
+
+    def bool(self, v: Any, path: str) -> bool:
+        if not isinstance(v, bool):
+            self.r.add(path, f"expected true or false, got {_kind(v)}")
+            return False
+        return True
+
+    def str(self, v: Any, path: str, choices: tuple | None = None, null: bool = False) -> bool:
+        if v is None and null:
+            return True
+        if not isinstance(v, str) or not v:
+            self.r.add(path, f"expected a non-empty string{' or null' * null}, got {_kind(v)}")
+            return False
+        if choices is not None and v not in choices:
+            self.r.add(path, f"expected one of {', '.join(map(repr, choices))}, got {v!r}")
+            return False
+        return True
+
+    def eq(self, v: Any, path: str, want: Any) -> bool:
+        if type(v) is not type(want) or v != want:
+            self.r.add(path, f"expected {json.dumps(want)}, got {_short(v)}")
+            return False
+        return True
+
+    def list(self, v: Any, path: str) -> bool:
+        if not isinstance(v, list):
+            self.r.add(path, f"expected a list, got {_kind(v)}")
+            return False
+        return True
+
+
+def _join(path: str, key: str | int) -> str:
+    if isinstance(key, int):
+        return f"{path}[{key}]"
+    return f"{path}.{key}" if path else key
+
+
+def _kind(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return f"boolean {str(v).lower()}"
+    if isinstance(v, (int, float)):
+        return f"number {v}"
+    if isinstance(v, str):
+        return f"string {_short(v)}"
+    return {dict: "an object", list: "a list"}.get(type(v), type(v).__name__)
+
+
+def _short(v: Any) -> str:
+    s = json.dumps(v, ensure_ascii=False, default=str)
+    return s if len(s) <= 60 else s[:57] + "..."
+
+
+# -- the manifest sections --
+
+_MODEL_INTS = (
+    "hidden_size", "intermediate_size", "num_layers", "num_attention_heads", "num_kv_heads",
+    "head_dim", "vocab_size", "max_position_embeddings",
+)
+_MODEL_KEYS = ("architecture", "source_architecture", *_MODEL_INTS, "tie_word_embeddings", "norm", "mlp",
+               "attention", "rope", "special_tokens")
+
+
+def _check_model(c: _Checker, m: Any) -> bool:
+    """Presence and types of `model` (spec §2.1). Returns whether tensors can be checked against it."""
+    p = "model"
+    if not c.obj(m, p, _MODEL_KEYS):
+        return False
+    ok = all([c.str(m.get("architecture"), f"{p}.architecture"),
+              c.str(m.get("source_architecture"), f"{p}.source_architecture")])
+    ok &= all([c.int(m.get(k), f"{p}.{k}", lo=1) for k in _MODEL_INTS])
+    ok &= c.bool(m.get("tie_word_embeddings"), f"{p}.tie_word_embeddings")
+    if ok and m["num_attention_heads"] % m["num_kv_heads"]:
+        c.r.add(f"{p}.num_kv_heads", f"{m['num_kv_heads']} does not divide num_attention_heads {m['num_attention_heads']}")
+
+    norm = m.get("norm")
+    if c.obj(norm, f"{p}.norm", ("type", "eps")):
+        ok &= c.str(norm.get("type"), f"{p}.norm.type", ("rmsnorm",)) & c.num(norm.get("eps"), f"{p}.norm.eps", positive=True)
+    else:
+        ok = False
+    mlp = m.get("mlp")
+    if c.obj(mlp, f"{p}.mlp", ("type", "activation")):
+        c.str(mlp.get("type"), f"{p}.mlp.type", ("gated",))
+        c.str(mlp.get("activation"), f"{p}.mlp.activation", ("silu",))
+
+    att, ap = m.get("attention"), f"{p}.attention"
+    if c.obj(att, ap, ("qkv_bias", "o_bias", "qk_norm", "sliding_window", "layer_types", "scale")):
+        ok &= all([c.bool(att.get(k), f"{ap}.{k}") for k in ("qkv_bias", "o_bias", "qk_norm")])
+        window_ok = c.int(att.get("sliding_window"), f"{ap}.sliding_window", lo=1, null=True)
+        c.num(att.get("scale"), f"{ap}.scale", positive=True)
+        types = att.get("layer_types")
+        if c.list(types, f"{ap}.layer_types"):
+            if _is_int(m.get("num_layers")) and len(types) != m["num_layers"]:
+                c.r.add(f"{ap}.layer_types", f"has {len(types)} entries, expected num_layers = {m['num_layers']}")
+            for i, t in enumerate(types):
+                if c.str(t, f"{ap}.layer_types[{i}]", ("full", "sliding")) and t == "sliding" and window_ok \
+                        and att.get("sliding_window") is None:
+                    c.r.add(f"{ap}.layer_types[{i}]", "is 'sliding' but sliding_window is null")
+    else:
+        ok = False
+
+    rope, rp = m.get("rope"), f"{p}.rope"
+    if c.obj(rope, rp, ("theta", "rotary_dim", "layout", "scaling", "attention_factor")):
+        c.num(rope.get("theta"), f"{rp}.theta", positive=True)
+        c.str(rope.get("layout"), f"{rp}.layout", ("half", "interleaved"))
+        c.num(rope.get("attention_factor"), f"{rp}.attention_factor", positive=True)
+        rd = rope.get("rotary_dim")
+        if c.int(rd, f"{rp}.rotary_dim", lo=2):
+            if rd % 2:
+                c.r.add(f"{rp}.rotary_dim", f"must be even, got {rd}")
+                ok = False
+            if _is_int(m.get("head_dim")) and rd > m["head_dim"]:
+                c.r.add(f"{rp}.rotary_dim", f"{rd} exceeds head_dim {m['head_dim']}")
+                ok = False
+        else:
+            ok = False
+        sc = rope.get("scaling")
+        if sc is not None:
+            if c.obj(sc, f"{rp}.scaling"):
+                if c.str(sc.get("type"), f"{rp}.scaling.type"):
+                    if sc["type"] == "default":
+                        c.r.add(f"{rp}.scaling.type", "'default' scaling must be written as scaling: null")
+                else:
+                    ok = False
+                for k in ("rope_theta", "rope_type"):
+                    if k in sc:
+                        c.r.add(f"{rp}.scaling.{k}", "must not be repeated inside scaling")
+            else:
+                ok = False
+    else:
+        ok = False
+
+    st, sp = m.get("special_tokens"), f"{p}.special_tokens"
+    if c.obj(st, sp, ("bos", "eos", "pad")):
+        vocab = m.get("vocab_size") if _is_int(m.get("vocab_size")) else None
+        hi = vocab - 1 if vocab else None
+        c.int(st.get("bos"), f"{sp}.bos", lo=0, hi=hi, null=True)
+        c.int(st.get("pad"), f"{sp}.pad", lo=0, hi=hi, null=True)
+        if c.list(st.get("eos"), f"{sp}.eos"):
+            for i, t in enumerate(st["eos"]):
+                c.int(t, f"{sp}.eos[{i}]", lo=0, hi=hi)
+    return ok
+
+
+def _check_tensor(c: _Checker, t: Any, path: str, model: dict | None) -> None:
+    keys = ("name", "role", "layer", "source", "shape", "dtype", "quant", "hints", "pages")
+    if not c.obj(t, path, keys):
+        return
+    name = t.get("name")
+    if c.str(name, f"{path}.name"):
+        role, layer = spec.split_name(name)
+        if t.get("role") != role:
+            c.r.add(f"{path}.role", f"expected {role!r} for tensor {name!r}, got {_short(t.get('role'))}")
+        elif role not in spec.ROLES:
+            c.r.add(f"{path}.role", f"unknown role {role!r}")
+        if t.get("layer") != layer or isinstance(t.get("layer"), bool):
+            c.r.add(f"{path}.layer", f"expected {json.dumps(layer)} for tensor {name!r}, got {_short(t.get('layer'))}")
+    src = t.get("source")
+    if c.list(src, f"{path}.source"):
+        for i, s in enumerate(src):
+            c.str(s, f"{path}.source[{i}]")
+        if name == "rope_freqs" and src:
+            c.r.add(f"{path}.source", "rope_freqs is derived: expected []")
+    shape = t.get("shape")
+    shape_ok = c.list(shape, f"{path}.shape") and 1 <= len(shape) <= 2 and all(_is_int(d) and d >= 1 for d in shape)
+    if isinstance(shape, list) and not shape_ok:
+        c.r.add(f"{path}.shape", f"expected 1 or 2 positive integers, got {_short(shape)}")
+    dtype = t.get("dtype")
+    dtype_ok = c.str(dtype, f"{path}.dtype", tuple(spec.FLOAT_DTYPES) + tuple(spec.BLOCK_DTYPES))
+    if shape_ok and dtype_ok:
+        if len(shape) == 1 and dtype != "f32":
+            c.r.add(f"{path}.dtype", f"1-D tensors are f32, got {dtype!r}")
+        if dtype in spec.BLOCK_DTYPES and shape[-1] % spec.BLOCK_SIZE:
+            c.r.add(f"{path}.dtype", f"{dtype} needs cols % 32 == 0, got {shape[-1]} cols")
+        if model is not None and isinstance(name, str) and t.get("role") in spec.ROLES:
+            want = spec.expected_shape(model, t["role"])
+            if shape != want:
+                c.r.add(f"{path}.shape", f"expected {want} from model dimensions, got {shape}")
+    quant = t.get("quant")
+    if dtype_ok and dtype in spec.BLOCK_DTYPES:
+        if c.obj(quant, f"{path}.quant", ("scheme", "block_size", "block_bytes", "source_dtype")):
+            c.eq(quant.get("scheme"), f"{path}.quant.scheme", dtype)
+            c.eq(quant.get("block_size"), f"{path}.quant.block_size", spec.BLOCK_SIZE)
+            c.eq(quant.get("block_bytes"), f"{path}.quant.block_bytes", spec.BLOCK_DTYPES[dtype])
+            c.str(quant.get("source_dtype"), f"{path}.quant.source_dtype", spec.SOURCE_DTYPES)
+    elif quant is not None:
+        c.r.add(f"{path}.quant", f"must be null for dtype {_short(dtype)}")
+    hints = t.get("hints")
+    if c.obj(hints, f"{path}.hints", ("placement", "access")):
+        c.str(hints.get("placement"), f"{path}.hints.placement", spec.PLACEMENTS)
+        c.str(hints.get("access"), f"{path}.hints.access", spec.ACCESSES)
+    pages = t.get("pages")
+    if c.list(pages, f"{path}.pages"):
+        if not pages:
+            c.r.add(f"{path}.pages", "a tensor has at least one page")
+        if isinstance(name, str):
+            for k, pid in enumerate(pages):
+                c.eq(pid, f"{path}.pages[{k}]", spec.page_id(name, k))
+        if shape_ok and len(shape) == 1 and len(pages) > 1:
+            c.r.add(f"{path}.pages", f"1-D tensors are one page, got {len(pages)}")
+
+
+def _check_asset(c: _Checker, a: Any, path: str) -> None:
+    if not c.obj(a, path, ("name", "media_type", "size", "pages")):
+        return
+    name = a.get("name")
+    if c.str(name, f"{path}.name", spec.ASSET_NAMES):
+        if c.list(a.get("pages"), f"{path}.pages"):
+            for k, pid in enumerate(a["pages"]):
+                c.eq(pid, f"{path}.pages[{k}]", spec.page_id(name, k))
+    c.str(a.get("media_type"), f"{path}.media_type")
+    c.int(a.get("size"), f"{path}.size", lo=0)
+
+
+def _check_pages(c: _Checker, m: dict) -> None:
+    """pages[]: one owner each, decode order, rows tiling dim 0, sizes = rows × row bytes."""
+    pages = m.get("pages")
+    if not c.list(pages, "pages"):
+        return
+    tensors = [t for t in m.get("tensors", []) if isinstance(t, dict)] if isinstance(m.get("tensors"), list) else []
+    assets = [a for a in m.get("assets", []) if isinstance(a, dict)] if isinstance(m.get("assets"), list) else []
+    # Expected page order: each tensor's pages in tensors[] order, then each asset's.
+    owners: list[tuple[str, str, dict]] = []
+    for t in tensors:
+        if isinstance(t.get("pages"), list):
+            owners += [("tensor", pid, t) for pid in t["pages"]]
+    for a in assets:
+        if isinstance(a.get("pages"), list):
+            owners += [("asset", pid, a) for pid in a["pages"]]
+    seen: set = set()
+    row_cursor: dict[str, int] = {}
+    asset_bytes: dict[str, int] = {}
+    for i, pg in enumerate(pages):
+        path = f"pages[{i}]"
+        if not c.obj(pg, path, ("id", "size", "checksum"), optional=("tensor", "asset", "rows")):
+            continue
+        pid = pg.get("id")
+        if c.str(pid, f"{path}.id") and not spec.ID_PATTERN.fullmatch(pid):
+            c.r.add(f"{path}.id", f"{pid!r} must be 1-255 characters of [A-Za-z0-9._#:/-]")
+        if isinstance(pid, str):
+            if pid in seen:
+                c.r.add(f"{path}.id", f"duplicate page id {pid!r}")
+            seen.add(pid)
+        size_ok = c.int(pg.get("size"), f"{path}.size", lo=1)
+        cs = pg.get("checksum")
+        if not (isinstance(cs, str) and _HEX64.fullmatch(cs)):
+            c.r.add(f"{path}.checksum", f"expected 64 lowercase hex digits, got {_short(cs)}")
+        kinds = [k for k in ("tensor", "asset") if k in pg]
+        if len(kinds) != 1:
+            c.r.add(path, f"needs exactly one of 'tensor' / 'asset', got {kinds or 'neither'}")
+            continue
+        kind = kinds[0]
+        if i >= len(owners):
+            c.r.add(f"{path}.id", f"{_short(pid)} is owned by no tensor or asset")
+            continue
+        want_kind, want_id, owner = owners[i]
+        if pid != want_id or kind != want_kind or pg.get(kind) != owner.get("name"):
+            c.r.add(path, f"expected page {want_id!r} of {want_kind} {owner.get('name')!r} here (decode order), "
+                          f"got {_short(pid)} of {kind} {_short(pg.get(kind))}")
+            continue
+        if kind == "asset":
+            if "rows" in pg:
+                c.r.add(f"{path}.rows", "asset pages have no rows")
+            if size_ok:
+                asset_bytes[owner["name"]] = asset_bytes.get(owner["name"], 0) + pg["size"]
+            continue
+        _check_tensor_page(c, pg, path, owner, row_cursor, size_ok)
+    if len(pages) < len(owners):
+        for _, pid, owner in owners[len(pages):]:
+            c.r.add("pages", f"page {pid!r} of {owner.get('name')!r} is not listed")
+    if not pages:
+        c.r.add("pages", "an archive has at least one page")
+    for t in tensors:
+        shape, name = t.get("shape"), t.get("name")
+        if name in row_cursor and isinstance(shape, list) and shape and _is_int(shape[0]) and row_cursor[name] != shape[0]:
+            c.r.add(f"tensor {name}", f"pages cover rows [0, {row_cursor[name]}), expected [0, {shape[0]})")
+    for a in assets:
+        if a.get("name") in asset_bytes or a.get("pages") == []:
+            got = asset_bytes.get(a.get("name"), 0)
+            if _is_int(a.get("size")) and got != a["size"]:
+                c.r.add(f"asset {a.get('name')}", f"pages hold {got} bytes, size says {a['size']}")
+
+
+def _check_tensor_page(c: _Checker, pg: dict, path: str, t: dict, row_cursor: dict, size_ok: bool) -> None:
+    rows = pg.get("rows")
+    name = t.get("name")
+    if not (isinstance(rows, list) and len(rows) == 2 and all(_is_int(r) for r in rows)):
+        c.r.add(f"{path}.rows", f"expected [start, end), got {_short(rows)}")
+        return
+    start, end = rows
+    expected_start = row_cursor.get(name, 0)
+    if start != expected_start or end <= start:
+        c.r.add(f"{path}.rows", f"expected rows starting at {expected_start} with end > start, got {rows}")
+        return
+    row_cursor[name] = end
+    shape, dtype = t.get("shape"), t.get("dtype")
+    if not (isinstance(shape, list) and shape and all(_is_int(d) for d in shape)) or dtype not in (
+            *spec.FLOAT_DTYPES, *spec.BLOCK_DTYPES):
+        return
+    if end > shape[0]:
+        c.r.add(f"{path}.rows", f"end {end} is past dim 0 = {shape[0]} of {name!r}")
+        return
+    cols = shape[1] if len(shape) == 2 else 1
+    if dtype in spec.BLOCK_DTYPES and cols % spec.BLOCK_SIZE:
+        return
+    want = (end - start) * spec.row_bytes(dtype, cols)
+    if size_ok and pg["size"] != want:
+        c.r.add(f"{path}.size", f"expected {want} ({end - start} rows × {spec.row_bytes(dtype, cols)} bytes), got {pg['size']}")
+
+
+def _check_validation(c: _Checker, v: Any, names: set[str]) -> None:
+    p = "validation"
+    if not c.obj(v, p, (), optional=("converter", "source", "stats", "quant", "probe")):
+        return
+    conv = v.get("converter")
+    if conv is not None and c.obj(conv, f"{p}.converter", ("name", "version", "recipe")):
+        for k in ("name", "version", "recipe"):
+            c.str(conv.get(k), f"{p}.converter.{k}")
+    src = v.get("source")
+    if src is not None and c.obj(src, f"{p}.source", ("repo_id", "revision", "commit", "files")):
+        for k in ("repo_id", "revision", "commit"):
+            c.str(src.get(k), f"{p}.source.{k}", null=True)
+        if c.list(src.get("files"), f"{p}.source.files"):
+            for i, f in enumerate(src["files"]):
+                fp = f"{p}.source.files[{i}]"
+                if c.obj(f, fp, ("name", "size", "sha256")):
+                    c.str(f.get("name"), f"{fp}.name")
+                    c.int(f.get("size"), f"{fp}.size", lo=0)
+                    sha = f.get("sha256")
+                    if sha is not None and not (isinstance(sha, str) and _HEX64.fullmatch(sha)):
+                        c.r.add(f"{fp}.sha256", f"expected 64 lowercase hex digits or null, got {_short(sha)}")
+    for section, fields, counts in (("stats", ("min", "max", "mean", "std"), ("nan", "inf")),
+                                    ("quant", ("rmse", "max_abs_err", "rel_rmse"), ())):
+        table = v.get(section)
+        if table is None or not c.obj(table, f"{p}.{section}"):
+            continue
+        for name, entry in table.items():
+            ep = f"{p}.{section}.{name}"
+            if name not in names:
+                c.r.add(ep, "names no tensor of this archive")
+            if c.obj(entry, ep, fields + counts, optional=("note",) if section == "quant" else ()):
+                for k in fields:
+                    c.num(entry.get(k), f"{ep}.{k}", null=True)
+                for k in counts:
+                    c.int(entry.get(k), f"{ep}.{k}", lo=0)
+    if "probe" in v:
+        c.obj(v["probe"], f"{p}.probe")
+
+
+def validate_manifest(m: Any) -> ValidationReport:
+    """Check a decoded manifest against the spec's structure rules; report every error found."""
+    report = ValidationReport()
+    c = _Checker(report)
+    if not c.obj(m, "", spec.TOP_LEVEL_KEYS):
+        return report
+    c.eq(m.get("format"), "format", "thin")
+    c.eq(m.get("format_version"), "format_version", spec.VERSION)
+    c.eq(m.get("alignment"), "alignment", spec.ALIGNMENT)
+    model_ok = _check_model(c, m.get("model"))
+    model = m["model"] if model_ok else None
+    c.obj(m.get("runtime"), "runtime")
+
+    tensors = m.get("tensors")
+    names: set[str] = set()
+    if c.list(tensors, "tensors"):
+        for i, t in enumerate(tensors):
+            _check_tensor(c, t, f"tensors[{i}]", model)
+        got = [t.get("name") for t in tensors if isinstance(t, dict)]
+        names = {n for n in got if isinstance(n, str)}
+        if len(names) != len(got):
+            dup = sorted({n for n in got if isinstance(n, str) and got.count(n) > 1})
+            if dup:
+                report.add("tensors", f"duplicate tensor names: {', '.join(dup)}")
+        if model is not None:
+            _check_tensor_set(c, got, model)
+
+    assets = m.get("assets")
+    if c.list(assets, "assets"):
+        for i, a in enumerate(assets):
+            _check_asset(c, a, f"assets[{i}]")
+        anames = [a.get("name") for a in assets if isinstance(a, dict)]
+        if "config.json" not in anames:
+            report.add("assets", "config.json is required")
+        if len(set(map(str, anames))) != len(anames):
+            report.add("assets", "duplicate asset names")
+    _check_pages(c, m)
+    _check_validation(c, m.get("validation"), names)
+    return report
+
+
+def _check_tensor_set(c: _Checker, got: list, model: dict) -> None:
+    want = spec.tensor_names(model)
+    if got == want:
+        return
+    missing = [n for n in want if n not in got]
+    extra = [n for n in got if n not in want]
+    if missing:
+        c.r.add("tensors", f"missing for this model's flags: {', '.join(missing[:8])}{' …' * (len(missing) > 8)}")
+    if extra:
+        c.r.add("tensors", f"not expected for this model's flags: {', '.join(map(str, extra[:8]))}{' …' * (len(extra) > 8)}")
+    if not missing and not extra:
+        first = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+        c.r.add(f"tensors[{first}]", f"out of decode order: expected {want[first]!r}, got {got[first]!r}")

@@ -1,0 +1,323 @@
+"""Open, read and verify .thin archives.
+
+`open_archive` checks everything that is cheap before returning: header fields, every page-table
+record (bounds, order, alignment), the manifest (strict JSON, canonical bytes, structure) and
+its agreement with the page table. `Archive.verify()` adds what costs a pass over the data:
+page checksums, the archive hash and zero padding. Every problem is a ThinFormatError.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import blake3
+import ml_dtypes
+import numpy as np
+
+from thinconv.errors import ThinFormatError
+from thinconv.format import spec
+from thinconv.format.manifest import parse_manifest, validate_manifest
+
+NUMPY_DTYPES = {"f32": np.dtype("<f4"), "f16": np.dtype("<f2"), "bf16": np.dtype(ml_dtypes.bfloat16)}
+VERIFY_CHUNK = 16 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Header:
+    manifest_len: int
+    page_table_off: int
+    page_count: int
+    data_off: int
+    archive_hash: bytes
+
+
+@dataclass(frozen=True)
+class PageRecord:
+    id: str
+    offset: int
+    size: int
+    flags: int
+    checksum: bytes
+    record_offset: int  # where this record starts in the file, for messages
+
+
+@dataclass
+class VerifyReport:
+    """What `verify()` found: an empty `failures` means the archive is valid."""
+
+    failures: list[str] = field(default_factory=list)
+    bytes_checked: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+
+class Archive:
+    """A .thin archive opened read-only over an mmap. Use as a context manager."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self._name = self.path.name
+        try:
+            self._file = open(self.path, "rb")
+        except OSError as e:
+            raise ThinFormatError(f"{self.path}: cannot open ({e.strerror or e})") from None
+        try:
+            self.file_size = os.fstat(self._file.fileno()).st_size
+            self.header = self._read_header()
+            self._mm = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
+            self.pages = self._read_page_table()
+            self._manifest_bytes = self._mm[spec.HEADER_LEN: spec.HEADER_LEN + self.header.manifest_len]
+            self.manifest = self._read_manifest()
+        except BaseException:
+            self.close()
+            raise
+        self._page_index = {p.id: p for p in self.pages}
+        self._tensors = {t["name"]: t for t in self.manifest["tensors"]}
+        self._assets = {a["name"]: a for a in self.manifest["assets"]}
+
+    # -- opening --
+
+    def _fail(self, what: str) -> ThinFormatError:
+        return ThinFormatError(f"{self._name}: {what}")
+
+    def _read_header(self) -> Header:
+        size = self.file_size
+        if size < spec.HEADER_LEN:
+            raise self._fail(f"file is {size} bytes, shorter than the {spec.HEADER_LEN}-byte header")
+        raw = os.pread(self._file.fileno(), spec.HEADER_LEN, 0)
+        magic, hlen, version, m_off, m_len, pt_off, count, data_off, ahash = spec.HEADER.unpack(raw)
+        if magic != spec.MAGIC:
+            raise self._fail(f"bad magic {magic!r} at offset 0, expected {spec.MAGIC!r} (not a THIN archive)")
+        if hlen != spec.HEADER_LEN:
+            raise self._fail(f"header_len at offset 8 is {hlen}, expected {spec.HEADER_LEN}")
+        if version != spec.VERSION:
+            raise self._fail(f"version at offset 12 is {version}; this reader supports version {spec.VERSION}")
+        if m_off != spec.HEADER_LEN:
+            raise self._fail(f"manifest_off at offset 16 is {m_off}, expected {spec.HEADER_LEN}")
+        if not 0 < m_len <= spec.MAX_MANIFEST_LEN:
+            raise self._fail(f"manifest_len at offset 24 is {m_len}, expected 1..{spec.MAX_MANIFEST_LEN}")
+        if m_off + m_len > size:
+            raise self._fail(f"manifest [{m_off}, {m_off + m_len}) runs past the end of the file ({size} bytes)")
+        if pt_off != m_off + m_len:
+            raise self._fail(f"page_table_off at offset 32 is {pt_off}, expected manifest_off + manifest_len = {m_off + m_len}")
+        # Each record takes ≥ RECORD_MIN_LEN bytes and each page ≥ 1 aligned slot: bound the count
+        # by the file size before allocating anything for it.
+        max_pages = min((size - pt_off) // spec.RECORD_MIN_LEN, size // spec.ALIGNMENT + 1)
+        if not 0 < count <= max_pages:
+            raise self._fail(f"page_count at offset 40 is {count}; a {size}-byte file holds 1..{max_pages} pages")
+        if data_off % spec.ALIGNMENT or not pt_off < data_off <= size:
+            raise self._fail(f"data_off at offset 48 is {data_off}: must be a multiple of {spec.ALIGNMENT} in ({pt_off}, {size}]")
+        return Header(m_len, pt_off, count, data_off, ahash)
+
+    def _read_page_table(self) -> list[PageRecord]:
+        mm, h = self._mm, self.header
+        pos, records, seen = h.page_table_off, [], set()
+        expected_offset = h.data_off
+        for k in range(h.page_count):
+            if pos + 2 > h.data_off:
+                raise self._fail(f"page-table record {k} at offset {pos} runs into the data section (data_off {h.data_off})")
+            id_len = int.from_bytes(mm[pos: pos + 2], "little")
+            if not 1 <= id_len <= spec.MAX_ID_LEN:
+                raise self._fail(f"page-table record {k} at offset {pos}: id_len {id_len}, expected 1..{spec.MAX_ID_LEN}")
+            end = pos + 2 + id_len + spec.RECORD_TAIL.size
+            if end > h.data_off:
+                raise self._fail(f"page-table record {k} at offset {pos} runs into the data section (data_off {h.data_off})")
+            raw_id = mm[pos + 2: pos + 2 + id_len]
+            try:
+                pid = raw_id.decode("utf-8")
+            except UnicodeDecodeError:
+                pid = ""
+            if not spec.ID_PATTERN.fullmatch(pid):
+                raise self._fail(f"page-table record {k} at offset {pos}: id {raw_id!r} has characters outside [A-Za-z0-9._#:/-]")
+            if pid in seen:
+                raise self._fail(f"page {pid!r} (record at offset {pos}): duplicate id")
+            seen.add(pid)
+            offset, stored, raw_size, flags, checksum = spec.RECORD_TAIL.unpack(mm[pos + 2 + id_len: end])
+            where = f"page {pid!r} (record at offset {pos})"
+            if flags:
+                raise self._fail(f"{where}: unknown flags 0x{flags:x} (v0 defines none)")
+            if stored != raw_size:
+                raise self._fail(f"{where}: stored_size {stored} ≠ raw_size {raw_size} (v0 stores pages raw)")
+            if stored == 0:
+                raise self._fail(f"{where}: size 0 (every page has size > 0)")
+            if offset != expected_offset:
+                raise self._fail(f"{where}: offset {offset}, expected {expected_offset} (pages are back to back, "
+                                 f"each at the next multiple of {spec.ALIGNMENT})")
+            if offset + stored > self.file_size:
+                raise self._fail(f"{where}: [{offset}, {offset + stored}) runs past the end of the file ({self.file_size} bytes)")
+            records.append(PageRecord(pid, offset, stored, flags, checksum, pos))
+            expected_offset = spec.align_up(offset + stored)
+            pos = end
+        if spec.align_up(pos) != h.data_off:
+            raise self._fail(f"data_off is {h.data_off}, expected align_up(end of page table = {pos}) = {spec.align_up(pos)}")
+        last = records[-1]
+        if last.offset + last.size != self.file_size:
+            raise self._fail(f"file is {self.file_size} bytes but the last page ends at {last.offset + last.size} (trailing bytes)")
+        self._table_end = pos
+        return records
+
+    def _read_manifest(self) -> dict:
+        m = parse_manifest(self._manifest_bytes, f"{self._name}: manifest")
+        try:
+            canonical = spec.canonical_json(m)
+        except (ValueError, TypeError) as e:
+            raise self._fail(f"manifest cannot be re-encoded canonically ({e})") from None
+        if canonical != self._manifest_bytes:
+            at = next((i for i, (a, b) in enumerate(zip(canonical, self._manifest_bytes)) if a != b),
+                      min(len(canonical), len(self._manifest_bytes)))
+            raise self._fail(f"manifest is not in canonical encoding (first difference at manifest byte {at})")
+        validate_manifest(m).raise_if_invalid(f"{self._name}: manifest")
+        declared = m["pages"]
+        if len(declared) != len(self.pages):
+            raise self._fail(f"manifest lists {len(declared)} pages, the page table {len(self.pages)}")
+        for d, rec in zip(declared, self.pages):
+            if d["id"] != rec.id:
+                raise self._fail(f"page-table record at offset {rec.record_offset} is {rec.id!r}, manifest says {d['id']!r}")
+            if d["size"] != rec.size:
+                raise self._fail(f"page {rec.id!r}: page table says {rec.size} bytes, manifest {d['size']}")
+            if d["checksum"] != rec.checksum.hex():
+                raise self._fail(f"page {rec.id!r}: page-table checksum differs from the manifest's")
+        return m
+
+    # -- reading --
+
+    @property
+    def model(self) -> dict:
+        return self.manifest["model"]
+
+    @property
+    def tensor_names(self) -> list[str]:
+        return list(self._tensors)
+
+    def tensor_info(self, name: str) -> dict:
+        """The manifest entry of a tensor."""
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise ThinFormatError(f"{self._name}: no tensor named {name!r}") from None
+
+    def page(self, page_id: str) -> PageRecord:
+        try:
+            return self._page_index[page_id]
+        except KeyError:
+            raise ThinFormatError(f"{self._name}: no page with id {page_id!r}") from None
+
+    def page_bytes(self, page_id: str) -> memoryview:
+        """The stored bytes of a page: a zero-copy, read-only view."""
+        p = self.page(page_id)
+        return memoryview(self._mm)[p.offset: p.offset + p.size]
+
+    def asset_bytes(self, name: str) -> bytes:
+        """An embedded source file (e.g. tokenizer.json), reassembled from its pages."""
+        try:
+            asset = self._assets[name]
+        except KeyError:
+            raise ThinFormatError(f"{self._name}: no asset named {name!r}") from None
+        return b"".join(self.page_bytes(pid) for pid in asset["pages"])
+
+    def tensor_bytes(self, name: str) -> np.ndarray:
+        """A tensor's stored bytes as uint8 [rows, row_bytes]: zero-copy when its pages are contiguous
+        in the file (thinconv sizes pages so they are), a copy otherwise."""
+        t = self.tensor_info(name)
+        shape = t["shape"]
+        rb = spec.row_bytes(t["dtype"], shape[1] if len(shape) == 2 else 1)
+        recs = [self.page(pid) for pid in t["pages"]]
+        contiguous = all(b.offset == a.offset + a.size for a, b in zip(recs, recs[1:]))
+        if contiguous:
+            flat = np.frombuffer(self._mm, np.uint8, count=shape[0] * rb, offset=recs[0].offset)
+        else:
+            flat = np.concatenate([np.frombuffer(self._mm, np.uint8, r.size, r.offset) for r in recs])
+            flat.flags.writeable = False
+        return flat.reshape(shape[0], rb)
+
+    def tensor(self, name: str) -> np.ndarray:
+        """A float tensor as a read-only numpy array of its dtype and shape (bf16 via ml_dtypes);
+        block-quantized tensors come back as their raw uint8 blocks (see `dequantize`)."""
+        t = self.tensor_info(name)
+        raw = self.tensor_bytes(name)
+        if t["dtype"] in NUMPY_DTYPES:
+            return raw.view(NUMPY_DTYPES[t["dtype"]]).reshape(t["shape"])
+        return raw
+
+    def dequantize(self, name: str, rows: tuple[int, int] | None = None) -> np.ndarray:
+        """A tensor as float32, decoding block-quantized dtypes; `rows` = (start, end) selects rows."""
+        t = self.tensor_info(name)
+        raw = self.tensor_bytes(name)
+        start, end = rows if rows is not None else (0, t["shape"][0])
+        if not 0 <= start <= end <= t["shape"][0]:
+            raise ThinFormatError(f"{self._name}: rows {rows} are outside [0, {t['shape'][0]}) of {name!r}")
+        if t["dtype"] in NUMPY_DTYPES:
+            arr = raw.view(NUMPY_DTYPES[t["dtype"]]).reshape(t["shape"])
+            return arr[start:end].astype(np.float32)
+        from thinconv.quant import dequantize_rows  # only archives with block types need it
+
+        return dequantize_rows(raw[start:end], t["dtype"], t["shape"][1])
+
+    # -- verifying --
+
+    def verify(self, progress: Callable[[int], None] | None = None) -> VerifyReport:
+        """Check every page checksum, the archive hash and all padding; list every failure.
+
+        Streams through the mmap and drops each chunk from this process's resident set after
+        hashing it, so memory stays flat whatever the archive size."""
+        report = VerifyReport()
+        mm, h = self._mm, self.header
+        table = mm[spec.HEADER_LEN: self._table_end]
+        if blake3.blake3(table).digest() != h.archive_hash:
+            report.failures.append("archive_hash does not match blake3(manifest + page table)")
+        gaps = [(self._table_end, h.data_off)]
+        gaps += [(a.offset + a.size, b.offset) for a, b in zip(self.pages, self.pages[1:])]
+        for start, end in gaps:
+            if end > start and mm[start:end].count(0) != end - start:
+                report.failures.append(f"padding [{start}, {end}) is not all zero bytes")
+        for rec in self.pages:
+            hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
+            pos, end = rec.offset, rec.offset + rec.size
+            while pos < end:
+                n = min(VERIFY_CHUNK, end - pos)
+                hasher.update(memoryview(mm)[pos: pos + n])
+                _drop_resident(mm, pos, n)
+                pos += n
+                report.bytes_checked += n
+                if progress:
+                    progress(n)
+            if hasher.digest() != rec.checksum:
+                report.failures.append(f"page {rec.id!r} at offset {rec.offset}: checksum mismatch (data corrupted)")
+        return report
+
+    # -- lifetime --
+
+    def close(self) -> None:
+        mm = getattr(self, "_mm", None)
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:
+                pass  # numpy views still use it; the mapping goes when they do
+        self._file.close()
+
+    def __enter__(self) -> "Archive":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _drop_resident(mm: mmap.mmap, pos: int, n: int) -> None:
+    """Tell the kernel this process is done with these mapped pages (the page cache keeps them)."""
+    start = pos - pos % mmap.PAGESIZE
+    try:
+        mm.madvise(mmap.MADV_DONTNEED, start, pos + n - start)
+    except (AttributeError, OSError, ValueError):
+        pass  # only a memory-footprint optimisation
+
+
+def open_archive(path: str | os.PathLike) -> Archive:
+    """Open a .thin archive, checking its structure (not yet its checksums: see `Archive.verify`)."""
+    return Archive(path)

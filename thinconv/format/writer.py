@@ -1,0 +1,290 @@
+"""The packer: the only code that writes .thin files, and it writes nothing it has not validated.
+
+Pages arrive as sources (files, buffers or lazy producers) and are streamed one at a time, so
+memory stays bounded by a page whatever the model size. Output goes to a temp file in the
+destination folder, is fsynced, then renamed into place: any failure leaves no partial file.
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol, Union
+
+import blake3
+
+from thinconv.errors import PackError
+from thinconv.format import spec
+from thinconv.format.manifest import validate_manifest
+
+CHUNK = 8 * 1024 * 1024
+_ZEROS = bytes(spec.ALIGNMENT)
+
+
+class PageSource(Protocol):
+    """Where a page's bytes come from. `chunks()` may be called once per pack."""
+
+    size: int
+
+    def chunks(self) -> Iterable[Any]: ...  # bytes-like objects (bytes, memoryview, contiguous ndarray)
+
+
+@dataclass
+class BufferPage:
+    """A page held in memory (bytes, memoryview or a contiguous numpy array)."""
+
+    data: Any
+
+    @property
+    def size(self) -> int:
+        return memoryview(self.data).nbytes
+
+    def chunks(self) -> Iterator[Any]:
+        yield memoryview(self.data).cast("B")
+
+
+@dataclass
+class FilePage:
+    """A page read from a byte range of a file, in chunks."""
+
+    path: Path
+    offset: int = 0
+    length: int | None = None
+
+    @property
+    def size(self) -> int:
+        return self.length if self.length is not None else os.path.getsize(self.path) - self.offset
+
+    def chunks(self) -> Iterator[bytes]:
+        remaining = self.size
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            while remaining > 0:
+                block = f.read(min(CHUNK, remaining))
+                if not block:
+                    return  # short file: the size check names the page
+                remaining -= len(block)
+                yield block
+
+
+@dataclass
+class LazyPage:
+    """A page produced on demand (e.g. a converted or quantized slice of a tensor)."""
+
+    size: int
+    produce: Callable[[], Iterable[Any]]
+
+    def chunks(self) -> Iterable[Any]:
+        return self.produce()
+
+
+SourceLike = Union[PageSource, bytes, bytearray, memoryview, Path]
+
+
+def as_page_source(src: SourceLike) -> PageSource:
+    if isinstance(src, (bytes, bytearray, memoryview)):
+        return BufferPage(src)
+    if isinstance(src, Path):
+        return FilePage(src)
+    return src
+
+
+@dataclass(frozen=True)
+class PackResult:
+    path: Path
+    size: int
+    page_count: int
+    archive_hash: str
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where everything goes, computed from the manifest alone (spec §1)."""
+
+    manifest_bytes: bytes
+    page_table: bytes
+    data_off: int
+    offsets: list[int]
+    file_size: int
+    archive_hash: bytes
+
+    def header(self, page_count: int) -> bytes:
+        manifest_len = len(self.manifest_bytes)
+        return spec.HEADER.pack(spec.MAGIC, spec.HEADER_LEN, spec.VERSION, spec.HEADER_LEN, manifest_len,
+                                spec.HEADER_LEN + manifest_len, page_count, self.data_off, self.archive_hash)
+
+
+def page_record(pid: str, offset: int, size: int, checksum: bytes) -> bytes:
+    """One page-table record (v0: stored_size = raw_size, flags = 0)."""
+    raw = pid.encode("utf-8")
+    return len(raw).to_bytes(2, "little") + raw + spec.RECORD_TAIL.pack(offset, size, size, 0, checksum)
+
+
+def plan_layout(manifest: dict) -> Layout:
+    """The byte layout a valid manifest fixes: manifest bytes, page table, offsets, archive hash."""
+    mbytes = spec.canonical_json(manifest)
+    if len(mbytes) > spec.MAX_MANIFEST_LEN:
+        raise PackError(f"manifest is {len(mbytes)} bytes; THIN v0 allows at most {spec.MAX_MANIFEST_LEN}")
+    pages = manifest["pages"]
+    # Record lengths depend only on ids, so data_off is known before offsets are.
+    table_len = sum(2 + len(p["id"].encode()) + spec.RECORD_TAIL.size for p in pages)
+    data_off = spec.align_up(spec.HEADER_LEN + len(mbytes) + table_len)
+    offsets, cursor = [], data_off
+    for p in pages:
+        offsets.append(cursor)
+        cursor = spec.align_up(cursor + p["size"])
+    file_size = offsets[-1] + pages[-1]["size"]
+    table = b"".join(page_record(p["id"], off, p["size"], bytes.fromhex(p["checksum"])) for p, off in zip(pages, offsets))
+    return Layout(mbytes, table, data_off, offsets, file_size, blake3.blake3(mbytes + table).digest())
+
+
+def pack(manifest: dict, page_sources: Mapping[str, SourceLike], out_path: str | os.PathLike, *,
+         force: bool = False, progress: Callable[[int], None] | None = None) -> PackResult:
+    """Validate `manifest`, check every page source against it, and write the archive atomically.
+
+    `page_sources` maps page id → source. Sizes are checked before anything is written; each
+    page's blake3 is checked while it streams into the temp file, and a mismatch aborts the
+    whole write. `progress(n)` is called with the bytes written since the last call.
+    """
+    out = Path(out_path)
+    report = validate_manifest(manifest)
+    report.raise_if_invalid("manifest", PackError)
+    if out.exists() and not force:
+        raise PackError(f"{out} already exists (use --force to overwrite)")
+    if out.is_dir():
+        raise PackError(f"{out} is a directory")
+    sources = {pid: as_page_source(s) for pid, s in page_sources.items()}
+    declared = {p["id"]: p for p in manifest["pages"]}
+    for pid in declared:
+        if pid not in sources:
+            raise PackError(f"page {pid!r}: no source given")
+    extra = sorted(set(sources) - set(declared))
+    if extra:
+        raise PackError(f"page source {extra[0]!r} is not declared in the manifest" +
+                        (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
+    for pid, p in declared.items():
+        try:
+            size = sources[pid].size
+        except OSError as e:
+            raise PackError(f"page {pid!r}: cannot read its source: {e.strerror or e}") from None
+        if size != p["size"]:
+            raise PackError(f"page {pid!r}: source holds {size} bytes, manifest declares {p['size']}")
+    layout = plan_layout(manifest)
+    _write_atomically(out, force, lambda f: _write_archive(f, manifest, layout, sources, progress))
+    return PackResult(out, layout.file_size, len(declared), layout.archive_hash.hex())
+
+
+def _write_archive(f, manifest: dict, layout: Layout, sources: dict[str, PageSource],
+                   progress: Callable[[int], None] | None) -> None:
+    pages = manifest["pages"]
+    f.write(layout.header(len(pages)))
+    f.write(layout.manifest_bytes)
+    f.write(layout.page_table)
+    pos = spec.HEADER_LEN + len(layout.manifest_bytes) + len(layout.page_table)
+    for p, off in zip(pages, layout.offsets):
+        _write_zeros(f, off - pos)
+        hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
+        written = 0
+        for chunk in sources[p["id"]].chunks():
+            view = memoryview(chunk).cast("B")
+            if written + view.nbytes > p["size"]:
+                raise PackError(f"page {p['id']!r}: source produced more than the declared {p['size']} bytes")
+            hasher.update(view)
+            f.write(view)
+            written += view.nbytes
+            if progress:
+                progress(view.nbytes)
+        if written != p["size"]:
+            raise PackError(f"page {p['id']!r}: source produced {written} bytes, manifest declares {p['size']}")
+        if hasher.hexdigest() != p["checksum"]:
+            raise PackError(f"page {p['id']!r}: blake3 {hasher.hexdigest()} does not match the declared checksum {p['checksum']}")
+        pos = off + written
+
+
+def _write_zeros(f, n: int) -> None:
+    while n > 0:
+        k = min(n, len(_ZEROS))
+        f.write(_ZEROS[:k])
+        n -= k
+
+
+def _write_atomically(out: Path, force: bool, write: Callable[[Any], None]) -> None:
+    """Write through a temp file in out's folder; fsync; rename. Nothing is left behind on failure."""
+    folder = out.parent if str(out.parent) else Path(".")
+    try:
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=folder)
+    except OSError as e:
+        raise PackError(f"cannot write in {folder}: {e.strerror or e}") from None
+    tmp = Path(tmp_name)
+    try:
+        with os.fdopen(fd, "wb", buffering=1024 * 1024) as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        if force:
+            os.replace(tmp, out)
+        else:
+            _link_no_clobber(tmp, out)
+        _fsync_dir(folder)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, FileExistsError):
+            raise PackError(f"{out} already exists (use --force to overwrite)") from None
+        if isinstance(e, OSError):
+            what = "disk full" if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT) else (e.strerror or str(e))
+            raise PackError(f"writing {out} failed ({what}); no partial file was left") from None
+        raise
+
+
+def _link_no_clobber(tmp: Path, out: Path) -> None:
+    """Move tmp to out unless out exists; link() makes the check and the move one atomic step."""
+    try:
+        os.link(tmp, out)
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
+            raise
+        # A filesystem without hard links (FAT, some FUSE): check, then rename (a narrow race).
+        if out.exists():
+            raise FileExistsError(errno.EEXIST, "exists", str(out)) from None
+        os.replace(tmp, out)
+        return
+    tmp.unlink()
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems refuse fsync on directories; the rename itself is done
+    finally:
+        os.close(fd)
+
+
+write_atomically = _write_atomically
+
+
+def split_rows(n_rows: int, row_bytes: int, page_size: int) -> list[tuple[int, int]]:
+    """Split a tensor's rows into pages of at most `page_size` bytes (whole rows, ≥ 1 per page).
+
+    Rows per page are rounded down to a multiple that makes every full page a multiple of the
+    alignment, so consecutive pages of a tensor sit back to back with no padding: readers can
+    then map a whole multi-page tensor as one zero-copy array."""
+    rows = max(1, page_size // row_bytes)
+    step = spec.ALIGNMENT // math.gcd(row_bytes, spec.ALIGNMENT)
+    if rows >= step:
+        rows -= rows % step
+    return [(s, min(s + rows, n_rows)) for s in range(0, n_rows, rows)]
+
+
+def split_bytes(size: int, page_size: int) -> list[tuple[int, int]]:
+    """Byte ranges of an asset split at the page size (an empty asset has no pages)."""
+    return [(s, min(s + page_size, size)) for s in range(0, size, page_size)]

@@ -1,0 +1,390 @@
+"""The manifest `model` section (spec §2.1), read from config.json the way transformers 5 reads it.
+
+Family differences (head_dim default, which sliding-window rule applies, bias / qk-norm flags)
+come from :class:`MetadataRules`, which a recipe's ``[metadata]`` table fills in. Defaults that
+every supported family shares in transformers 5 (rope_theta 10000, rms_norm_eps 1e-6, hidden_act
+silu, untied embeddings, ...) are applied here when a key is absent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from thinconv.errors import ConversionError, RecipeError, UsageError
+from thinconv.rope import rope_attention_factor
+
+_CONFIG = "config.json"
+_GENERATION = "generation_config.json"
+_SLIDING_RULES = ("none", "always", "use_sliding_window")
+_ROPE_LAYOUTS = ("half", "interleaved")
+
+# Accepted keys of a source's rope parameters per type, as transformers 5 validates them. A key
+# outside these is refused: transformers ignores it with a warning, but it may mean a RoPE variant
+# (e.g. `mrope_section`) that the manifest cannot express.
+_ROPE_KEYS: dict[str, tuple[frozenset[str], frozenset[str]]] = {  # type -> (required, optional)
+    "default": (frozenset(), frozenset()),
+    "linear": (frozenset({"factor"}), frozenset()),
+    "dynamic": (frozenset({"factor"}), frozenset()),
+    "yarn": (
+        frozenset({"factor"}),
+        frozenset(
+            {"original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow", "mscale",
+             "mscale_all_dim", "truncate"}
+        ),
+    ),
+    "longrope": (
+        frozenset({"short_factor", "long_factor"}),
+        frozenset({"original_max_position_embeddings", "attention_factor", "factor"}),
+    ),
+    "llama3": (
+        frozenset({"factor", "low_freq_factor", "high_freq_factor"}),
+        frozenset({"original_max_position_embeddings"}),
+    ),
+}
+# Keys the rope object carries elsewhere (theta, rotary_dim) or that name the type.
+_ROPE_META_KEYS = frozenset({"rope_type", "type", "rope_theta", "partial_rotary_factor"})
+# transformers' standardize_rope_params fills this in for these types.
+_NEEDS_ORIGINAL_MAX = frozenset({"llama3", "yarn", "longrope"})
+_INT_ROPE_KEYS = frozenset({"original_max_position_embeddings"})
+_FLOAT_ROPE_KEYS = frozenset(
+    {"factor", "low_freq_factor", "high_freq_factor", "attention_factor", "beta_fast", "beta_slow", "mscale",
+     "mscale_all_dim"}
+)
+
+
+@dataclass(frozen=True)
+class MetadataRules:
+    """Per-family quirks; a recipe's [metadata] TOML table maps onto these fields."""
+
+    head_dim_default: int | None = None  # None → hidden_size // num_attention_heads (Llama, Mistral); Qwen3: 128
+    sliding_window: str = "none"  # "none" (Llama) | "always" (Mistral) | "use_sliding_window" (Qwen2, Qwen3)
+    qkv_bias: bool | str = False  # a bool, or the name of a boolean config key (e.g. "attention_bias")
+    o_bias: bool | str = False
+    qk_norm: bool = False
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            _check_rule(field.name, getattr(self, field.name), "MetadataRules")
+
+    @classmethod
+    def from_table(cls, table: dict, where: str) -> MetadataRules:
+        """Rules from a recipe's [metadata] table; unknown keys or wrong types → RecipeError."""
+        if not isinstance(table, Mapping):
+            raise RecipeError(f"{where}: must be a table, got {table!r}")
+        names = [field.name for field in dataclasses.fields(cls)]
+        for key, value in table.items():
+            if key not in names:
+                raise RecipeError(f"{where}: unknown key {key!r} (expected one of: {', '.join(names)})")
+            _check_rule(key, value, where)
+        return cls(**table)
+
+
+def _check_rule(name: str, value: Any, where: str) -> None:
+    if name == "head_dim_default":
+        if value is not None and (not _is_int(value) or value <= 0):
+            raise RecipeError(f"{where}: 'head_dim_default' must be a positive integer, got {value!r}")
+    elif name == "sliding_window":
+        if value not in _SLIDING_RULES:
+            choices = ", ".join(_SLIDING_RULES)
+            raise RecipeError(f"{where}: 'sliding_window' must be one of {choices}, got {value!r}")
+    elif name in ("qkv_bias", "o_bias"):
+        if not isinstance(value, bool) and not (isinstance(value, str) and value):
+            raise RecipeError(f"{where}: {name!r} must be a boolean or a config key name, got {value!r}")
+    elif name == "qk_norm" and not isinstance(value, bool):
+        raise RecipeError(f"{where}: 'qk_norm' must be a boolean, got {value!r}")
+
+
+def read_model_metadata(
+    config: dict,
+    generation_config: dict | None,
+    *,
+    architecture: str,
+    rules: MetadataRules,
+    rope_layout: str = "half",
+) -> dict:
+    """The manifest `model` object (spec §2.1), read the way transformers 5 reads the config."""
+    if not isinstance(config, Mapping):
+        raise ConversionError(f"{_CONFIG}: must be a JSON object")
+    if generation_config is not None and not isinstance(generation_config, Mapping):
+        raise ConversionError(f"{_GENERATION}: must be a JSON object")
+    if not isinstance(architecture, str) or not architecture:
+        raise RecipeError(f"recipe: architecture must be a non-empty string, got {architecture!r}")
+    if rope_layout not in _ROPE_LAYOUTS:
+        raise UsageError(f"rope layout must be one of {', '.join(_ROPE_LAYOUTS)}, got {rope_layout!r}")
+
+    architectures = config.get("architectures")
+    if not isinstance(architectures, list) or not architectures or not isinstance(architectures[0], str):
+        raise ConversionError(
+            f"{_CONFIG}: field 'architectures' must be a non-empty list of names, got {architectures!r}"
+        )
+
+    hidden = _positive_int(config, "hidden_size")
+    heads = _positive_int(config, "num_attention_heads")
+    layers = _positive_int(config, "num_hidden_layers")
+    max_pos = _positive_int(config, "max_position_embeddings")
+    vocab = _positive_int(config, "vocab_size")
+    # null or absent: one KV head per attention head (transformers' __post_init__ for every family)
+    kv_heads = heads if config.get("num_key_value_heads") is None else _positive_int(config, "num_key_value_heads")
+    if heads % kv_heads:
+        raise ConversionError(
+            f"{_CONFIG}: num_attention_heads {heads} is not divisible by num_key_value_heads {kv_heads}"
+        )
+    head_dim = _head_dim(config, hidden, heads, rules)
+
+    hidden_act = config.get("hidden_act", "silu")
+    if hidden_act != "silu":
+        raise ConversionError(f"{_CONFIG}: field 'hidden_act' must be 'silu' (gated SiLU MLP), got {hidden_act!r}")
+    if _bool(config, "mlp_bias", False):
+        raise ConversionError(f"{_CONFIG}: field 'mlp_bias' is true; MLP biases are not supported")
+    eps = _positive_number(config, "rms_norm_eps", 1e-6)
+
+    rope = _rope(config, head_dim=head_dim, max_pos=max_pos, layout=rope_layout)
+    sliding_window, layer_types = _sliding(config, layers, rules.sliding_window)
+
+    return {
+        "architecture": architecture,
+        "source_architecture": architectures[0],
+        "hidden_size": hidden,
+        "intermediate_size": _positive_int(config, "intermediate_size"),
+        "num_layers": layers,
+        "num_attention_heads": heads,
+        "num_kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "vocab_size": vocab,
+        "max_position_embeddings": max_pos,
+        "tie_word_embeddings": _bool(config, "tie_word_embeddings", False),
+        "norm": {"type": "rmsnorm", "eps": eps},
+        "mlp": {"type": "gated", "activation": "silu"},
+        "attention": {
+            "qkv_bias": _flag(config, rules.qkv_bias),
+            "o_bias": _flag(config, rules.o_bias),
+            "qk_norm": rules.qk_norm,
+            "sliding_window": sliding_window,
+            "layer_types": layer_types,
+            "scale": float(head_dim**-0.5),
+        },
+        "rope": rope,
+        "special_tokens": _special_tokens(config, generation_config or {}, vocab),
+    }
+
+
+def _head_dim(config: Mapping[str, Any], hidden: int, heads: int, rules: MetadataRules) -> int:
+    if config.get("head_dim") is not None:
+        return _positive_int(config, "head_dim")
+    if rules.head_dim_default is not None:
+        return rules.head_dim_default
+    if hidden % heads:
+        raise ConversionError(
+            f"{_CONFIG}: hidden_size {hidden} is not divisible by num_attention_heads {heads} "
+            "and there is no 'head_dim'"
+        )
+    return hidden // heads
+
+
+def _rope(config: Mapping[str, Any], *, head_dim: int, max_pos: int, layout: str) -> dict:
+    """The `rope` object. Mirrors RotaryEmbeddingConfigMixin: legacy `rope_scaling` wins over
+    `rope_parameters`; `rope_theta` inside the parameters wins over the top-level key."""
+    source_key = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
+    params = config.get(source_key) or {}
+    if not isinstance(params, Mapping):
+        raise ConversionError(f"{_CONFIG}: field {source_key!r} must be an object or null, got {params!r}")
+    where = f"{_CONFIG}: {source_key}"
+    if any(isinstance(value, Mapping) for value in params.values()):
+        raise ConversionError(f"{where}: per-layer-type RoPE parameters are not supported")
+
+    theta_where = where if "rope_theta" in params else _CONFIG
+    theta = params["rope_theta"] if "rope_theta" in params else config.get("rope_theta", 10000.0)
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta) or theta <= 0:
+        raise ConversionError(f"{theta_where}: field 'rope_theta' must be a positive number, got {theta!r}")
+
+    factor_src = params if "partial_rotary_factor" in params else config
+    partial = factor_src.get("partial_rotary_factor")
+    rotary_dim = head_dim
+    if partial is not None:
+        if isinstance(partial, bool) or not isinstance(partial, (int, float)) or not 0 < partial <= 1:
+            raise ConversionError(f"{_CONFIG}: field 'partial_rotary_factor' must be in (0, 1], got {partial!r}")
+        rotary_dim = int(head_dim * partial)  # transformers truncates, as here
+    if rotary_dim <= 0 or rotary_dim % 2:
+        raise ConversionError(
+            f"{_CONFIG}: rotary dimension {rotary_dim} (head_dim {head_dim} × partial_rotary_factor "
+            f"{partial}) must be even and positive"
+        )
+
+    kind = params.get("rope_type", params.get("type", "default"))
+    if not isinstance(kind, str) or kind not in _ROPE_KEYS:
+        raise ConversionError(f"{where}: unsupported RoPE type {kind!r} (supported: {', '.join(_ROPE_KEYS)})")
+    required, optional = _ROPE_KEYS[kind]
+    own = {key: value for key, value in params.items() if key not in _ROPE_META_KEYS}
+    for key in sorted(own):
+        if key not in required | optional:
+            raise ConversionError(f"{where}: key {key!r} is not a parameter of RoPE type {kind!r}")
+    for key in sorted(required - own.keys()):
+        raise ConversionError(f"{where}: RoPE type {kind!r} needs {key!r}")
+
+    scaling = None
+    if kind != "default":
+        scaling = {"type": kind}
+        for key, value in own.items():
+            if value is None and (key not in required or (key == "factor" and kind in ("yarn", "longrope"))):
+                continue  # a null optional key means its default; yarn's null factor is resolved below
+            scaling[key] = _rope_value(key, value, where)
+        if kind in _NEEDS_ORIGINAL_MAX:
+            # A top-level value wins (transformers' Phi3 rule, re-applied when the RoPE is built);
+            # else the parameters' own; else max_position_embeddings.
+            key = "original_max_position_embeddings"
+            if key in config:
+                original = _rope_value(key, config[key], _CONFIG)
+            else:
+                original = _rope_value(key, params.get(key, max_pos), where)
+            scaling[key] = original
+            if "factor" not in scaling and kind != "llama3":
+                # transformers: a null factor means max_position_embeddings / original; written out
+                # so that a runtime need not know the rule
+                scaling["factor"] = max_pos / original
+
+    return {
+        "theta": float(theta),
+        "rotary_dim": rotary_dim,
+        "layout": layout,
+        "scaling": scaling,
+        "attention_factor": rope_attention_factor(scaling, max_position_embeddings=max_pos),
+    }
+
+
+def _rope_value(key: str, value: Any, where: str) -> Any:
+    if key in _INT_ROPE_KEYS:
+        if not _is_int(value) or value <= 0:
+            raise ConversionError(f"{where}: '{key}' must be a positive integer, got {value!r}")
+        return value
+    if key == "truncate":
+        if not isinstance(value, bool):
+            raise ConversionError(f"{where}: 'truncate' must be a boolean, got {value!r}")
+        return value
+    if key in ("short_factor", "long_factor"):
+        if not isinstance(value, list) or not all(_is_number(item) for item in value):
+            raise ConversionError(f"{where}: {key!r} must be a list of numbers, got {value!r}")
+        return [float(item) for item in value]
+    if not _is_number(value):
+        raise ConversionError(f"{where}: {key!r} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _sliding(config: Mapping[str, Any], layers: int, rule: str) -> tuple[int | None, list[str]]:
+    """(sliding_window, layer_types) as each transformers 5 config class applies them."""
+    window: int | None = None
+    kinds = ["full"] * layers
+    if rule == "always":
+        # MistralConfig: the window (default 4096) applies to every layer; layer_types is ignored.
+        window = _window(config)
+        kinds = ["sliding"] * layers
+    elif rule == "use_sliding_window":
+        # Qwen2Config / Qwen3Config: no window unless use_sliding_window; then layer_types, or
+        # every layer from max_window_layers on.
+        if _bool(config, "use_sliding_window", False):
+            window = _window(config)
+        explicit = config.get("layer_types")
+        if explicit is not None:
+            kinds = _layer_types(explicit, layers)
+        else:
+            first = _non_negative_int(config, "max_window_layers", 28)
+            kinds = ["sliding" if i >= first else "full" for i in range(layers)]
+    if window is None or "sliding" not in kinds:
+        return None, ["full"] * layers
+    return window, kinds
+
+
+def _window(config: Mapping[str, Any]) -> int | None:
+    if "sliding_window" not in config:
+        return 4096  # the MistralConfig / Qwen2Config / Qwen3Config default
+    if config["sliding_window"] is None:
+        return None
+    return _positive_int(config, "sliding_window")
+
+
+def _layer_types(value: Any, layers: int) -> list[str]:
+    names = {"full_attention": "full", "attention": "full", "sliding_attention": "sliding"}
+    if not isinstance(value, list) or len(value) != layers:
+        raise ConversionError(f"{_CONFIG}: field 'layer_types' must list {layers} layer types, got {value!r}")
+    for item in value:
+        if item not in names:
+            raise ConversionError(
+                f"{_CONFIG}: field 'layer_types' entries must be full_attention or sliding_attention, got {item!r}"
+            )
+    return [names[item] for item in value]
+
+
+def _special_tokens(config: Mapping[str, Any], generation: Mapping[str, Any], vocab: int) -> dict:
+    eos: list[int] = []
+    for source, name in ((config, _CONFIG), (generation, _GENERATION)):
+        value = source.get("eos_token_id")
+        for token in value if isinstance(value, list) else [] if value is None else [value]:
+            token = _token_id(token, name, "eos_token_id", vocab)
+            if token not in eos:
+                eos.append(token)
+    return {
+        "bos": _config_then_generation(config, generation, "bos_token_id", vocab),
+        "eos": eos,
+        "pad": _config_then_generation(config, generation, "pad_token_id", vocab),
+    }
+
+
+def _config_then_generation(
+    config: Mapping[str, Any], generation: Mapping[str, Any], key: str, vocab: int
+) -> int | None:
+    if config.get(key) is not None:
+        return _token_id(config[key], _CONFIG, key, vocab)
+    if generation.get(key) is not None:
+        return _token_id(generation[key], _GENERATION, key, vocab)
+    return None
+
+
+def _token_id(value: Any, file: str, key: str, vocab: int) -> int:
+    if not _is_int(value) or not 0 <= value < vocab:
+        raise ConversionError(f"{file}: field {key!r} must be a token id in [0, {vocab}), got {value!r}")
+    return value
+
+
+def _flag(config: Mapping[str, Any], rule: bool | str) -> bool:
+    return rule if isinstance(rule, bool) else _bool(config, rule, False)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def _positive_int(config: Mapping[str, Any], key: str) -> int:
+    if key not in config:
+        raise ConversionError(f"{_CONFIG}: field {key!r} is missing (expected a positive integer)")
+    value = config[key]
+    if not _is_int(value) or value <= 0:
+        raise ConversionError(f"{_CONFIG}: field {key!r} must be a positive integer, got {value!r}")
+    return value
+
+
+def _non_negative_int(config: Mapping[str, Any], key: str, default: int) -> int:
+    value = config.get(key, default)
+    if not _is_int(value) or value < 0:
+        raise ConversionError(f"{_CONFIG}: field {key!r} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def _positive_number(config: Mapping[str, Any], key: str, default: float) -> float:
+    value = config.get(key, default)
+    if not _is_number(value) or value <= 0:
+        raise ConversionError(f"{_CONFIG}: field {key!r} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _bool(config: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = config.get(key, default)
+    if not isinstance(value, bool):
+        raise ConversionError(f"{_CONFIG}: field {key!r} must be true or false, got {value!r}")
+    return value
