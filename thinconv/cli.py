@@ -219,7 +219,7 @@ class RichProgress:
 
 def run_conversion(src: str, output: Path, recipe_name: Optional[str], dtype: str, page_size: str,
                    revision: Optional[str], rope_layout: str, keep: list[str], force: bool, strict: bool,
-                   dry_run: bool, as_json: bool, recipes: list[Path]) -> None:
+                   dry_run: bool, as_json: bool, recipes: list[Path], probe: bool = True) -> None:
     import os
     import time
 
@@ -248,8 +248,15 @@ def run_conversion(src: str, output: Path, recipe_name: Optional[str], dtype: st
             if dry_run:
                 render_plan(plan, as_json)
                 return
+            probe_data, probe_note = None, None
+            if probe:
+                from thinconv.check import conversion_probe
+
+                probe_data, probe_note = conversion_probe(ckpt, plan)
             with byte_progress("converting", 0, enabled=not as_json) as bar:
-                result = convert(ckpt, plan, output, force=force, progress=RichProgress(bar))
+                result = convert(ckpt, plan, output, force=force, progress=RichProgress(bar), probe=probe_data)
+            if probe_note:
+                result.warnings.append(probe_note)
     seconds = time.perf_counter() - t0
     if as_json:
         print_json({"path": str(result.path), "size": result.size, "page_count": result.page_count,
@@ -309,9 +316,10 @@ def make_convert_command(recipe_name: Optional[str], help_text: str):
         dry_run: bool = typer.Option(False, "--dry-run", help="Print the full plan without reading tensor data."),
         as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
         recipes: list[Path] = typer.Option([], "--recipes", help="Extra recipe folder (repeatable)."),
+        probe: bool = typer.Option(True, "--probe/--no-probe", help="Store reference logits (validation.probe)."),
     ) -> None:
         run_conversion(src, output, recipe_name, dtype, page_size, revision, rope_layout, keep, force, strict,
-                       dry_run, as_json, recipes)
+                       dry_run, as_json, recipes, probe)
 
     command.__doc__ = help_text
     return command
@@ -404,6 +412,100 @@ def _register_recipe_commands(argv: list[str]) -> None:
     for r in registry.recipes.values():
         app.command(r.name)(make_convert_command(r.name, f"Convert a {', '.join(r.architectures)} checkpoint "
                                                          f"(recipe {r.name}: {r.description})."))
+
+
+# ---------------------------------------------------------------- check / run
+
+@app.command()
+def check(archive: Path = typer.Argument(..., help="A .thin archive."),
+          against: Optional[str] = typer.Option(None, "--against", help="Source checkpoint (folder or hub id) to "
+                                                "compare with under transformers; default: the archive's probe."),
+          prompt: Optional[str] = typer.Option(None, "--prompt", help="Text, tokenized with the embedded tokenizer."),
+          tokens: Optional[str] = typer.Option(None, "--tokens", help="Comma-separated token ids."),
+          steps: Optional[int] = typer.Option(None, "--steps", help="Positions to compare (default: longer than "
+                                              "any sliding window)."),
+          revision: Optional[str] = typer.Option(None, "--revision", help="Hub revision of --against."),
+          strict: bool = typer.Option(False, "--strict", help="Also hold q4 archives to a KL bound."),
+          as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
+    """Prove the archive computes what the source computes: per-position logit differences,
+    top-1 agreement and KL, judged against bounds for the archive's dtype class."""
+    import os
+
+    from thinconv.check import archive_tokenizer, default_tokens, parse_tokens, run_check
+    from thinconv.format.reader import open_archive
+
+    with reported(), open_archive(archive) as a:
+        if prompt is not None and tokens is not None:
+            raise UsageError("give --prompt or --tokens, not both")
+        if steps is not None and steps < 1:
+            raise UsageError(f"--steps {steps}: expected ≥ 1")
+        if tokens is not None:
+            ids = parse_tokens(tokens, a.model["vocab_size"])
+        elif prompt is not None:
+            ids = archive_tokenizer(a).encode(prompt).ids
+        elif against is None and a.manifest["validation"].get("probe"):
+            ids = a.manifest["validation"]["probe"]["tokens"]
+        else:
+            ids = default_tokens(a.model, steps)
+        if steps is not None and against is not None:
+            ids = ids[:steps]
+        if against is not None:
+            from thinconv.checkpoint.source import open_checkpoint
+
+            with open_checkpoint(against, revision=revision, token=os.environ.get("HF_TOKEN")) as ckpt:
+                result = run_check(a, ids, ckpt, strict_q4=strict)
+        else:
+            result = run_check(a, ids, None, strict_q4=strict)
+    if as_json:
+        print_json(result.to_json())
+        raise typer.Exit(0 if result.ok else 1)
+    table = Table(title=f"{archive}: {result.dtype_class} archive vs {result.reference}", title_justify="left")
+    for col in ("pos", "max |Δlogit|", "rel", "top-1", "KL"):
+        table.add_column(col, justify="right")
+    for p in result.positions:
+        table.add_row(str(p.position), f"{p.max_abs:.3g}", f"{p.max_rel:.3g}", "✓" if p.top1_match else "✗",
+                      f"{p.kl:.3g}")
+    out.print(table)
+    s = result.summary()
+    out.print(f"overall: max |Δlogit| {s['max_abs_diff']:.3g} (rel {s['max_rel_diff']:.3g}), top-1 "
+              f"{100 * s['top1_agreement']:.1f} %, mean KL {s['mean_kl']:.3g}, max KL {s['max_kl']:.3g}", highlight=False)
+    if not result.thresholds:
+        out.print(f"{result.dtype_class}: reported only (use --strict to apply a bound)")
+    elif result.ok:
+        out.print(f"[bold green]PASS[/] within the {result.dtype_class} bounds "
+                  f"({', '.join(f'{k} {v:g}' for k, v in result.thresholds.items())})")
+    else:
+        for f in result.failures:
+            err.print(f"[bold red]FAIL[/] {f}", highlight=False)
+    raise typer.Exit(0 if result.ok else 1)
+
+
+@app.command()
+def run(archive: Path = typer.Argument(..., help="A .thin archive."),
+        prompt: str = typer.Option(..., "--prompt", help="Text to continue."),
+        max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="Tokens to generate at most.")) -> None:
+    """Greedy generation with the reference decoder and the embedded tokenizer (the archive alone)."""
+    from thinconv.check import ArchiveProvider, archive_tokenizer
+    from thinconv.decoder import Decoder
+    from thinconv.format.reader import open_archive
+
+    with reported(), open_archive(archive) as a:
+        tok = archive_tokenizer(a)
+        ids = tok.encode(prompt).ids
+        if not ids:
+            raise UsageError("--prompt encodes to no tokens")
+        decoder = Decoder(ArchiveProvider(a))
+        sys.stdout.write(prompt)
+        sys.stdout.flush()
+        new: list[int] = []
+        shown = ""
+        for t in decoder.generate(ids, max_new_tokens):
+            new.append(t)
+            text = tok.decode(new, skip_special_tokens=True)
+            sys.stdout.write(text[len(shown):])  # decode the whole tail: multi-byte tokens complete later
+            sys.stdout.flush()
+            shown = text
+        sys.stdout.write("\n")
 
 
 def main() -> None:

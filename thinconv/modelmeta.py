@@ -209,10 +209,8 @@ def _rope(config: Mapping[str, Any], *, head_dim: int, max_pos: int, layout: str
             raise ConversionError(f"{_CONFIG}: field 'partial_rotary_factor' must be in (0, 1], got {partial!r}")
         rotary_dim = int(head_dim * partial)  # transformers truncates, as here
     if rotary_dim <= 0 or rotary_dim % 2:
-        raise ConversionError(
-            f"{_CONFIG}: rotary dimension {rotary_dim} (head_dim {head_dim} × partial_rotary_factor "
-            f"{partial}) must be even and positive"
-        )
+        how = f"head_dim {head_dim}" + ("" if partial is None else f" × partial_rotary_factor {partial}")
+        raise ConversionError(f"{_CONFIG}: rotary dimension {rotary_dim} ({how}) must be even and positive")
 
     kind = params.get("rope_type", params.get("type", "default"))
     if not isinstance(kind, str) or kind not in _ROPE_KEYS:

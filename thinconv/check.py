@@ -1,0 +1,288 @@
+"""Prove an archive computes what its source computes: weight providers for the reference
+decoder, the conversion-time probe, and logit comparisons with thresholds per dtype class."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from thinconv.errors import ConversionError, ThinError, UsageError
+from thinconv.format import spec
+from thinconv.format.reader import Archive
+
+PROBE_TOKENS = 8
+PROBE_TOP_K = 8
+# Largest model (in f32 bytes) the conversion-time probe will load; beyond it the probe is skipped.
+PROBE_MAX_F32_BYTES = 6 * 1024**3
+
+
+class ArchiveProvider:
+    """Reference-decoder weights straight from an archive (block types dequantized)."""
+
+    def __init__(self, archive: Archive):
+        self.archive = archive
+        self.model = archive.model
+        self._names = set(archive.tensor_names)
+
+    def has(self, name: str) -> bool:
+        return name in self._names
+
+    def get(self, name: str) -> np.ndarray:
+        return self.archive.dequantize(name)
+
+
+class SourceProvider:
+    """Reference-decoder weights from the source checkpoint through its recipe plan, in HF's
+    "half" RoPE layout whatever layout the archive will hold."""
+
+    def __init__(self, ckpt, plan):
+        from thinconv.convert import TensorSource
+        from thinconv.rope import rope_inv_freq
+
+        self.model = {**plan.model, "rope": {**plan.model["rope"], "layout": "half"}}
+        self._plans = {t.name: replace(t, permute_rope=False) for t in plan.tensors}
+        self._ckpt, self._recipe_path = ckpt, plan.recipe.path
+        self._source = TensorSource
+        rope = self.model["rope"]
+        self._rope = rope_inv_freq(rope, head_dim=self.model["head_dim"],
+                                   max_position_embeddings=self.model["max_position_embeddings"])
+
+    def has(self, name: str) -> bool:
+        return name in self._plans
+
+    def get(self, name: str) -> np.ndarray:
+        if name == "rope_freqs":
+            return self._rope
+        tp = self._plans[name]
+        return np.asarray(self._source(self._ckpt, tp, self.model, self._recipe_path).rows(0, tp.shape[0]),
+                          dtype=np.float32).reshape(tp.shape)
+
+
+def default_tokens(model: dict, n: int | None = None) -> list[int]:
+    """A fixed, spread-out token sequence; longer than any sliding window so the window is exercised."""
+    window = model["attention"]["sliding_window"]
+    if n is None:
+        n = max(16, window + 8) if window else 16
+    n = min(n, model["max_position_embeddings"])
+    vocab = model["vocab_size"]
+    bos = model["special_tokens"]["bos"]
+    body = [(7919 * i + 104729) % vocab for i in range(n)]
+    return ([bos] + body[: n - 1]) if bos is not None else body
+
+
+def model_f32_bytes(model: dict) -> int:
+    return 4 * sum(math.prod(spec.expected_shape(model, spec.split_name(n)[0])) for n in spec.tensor_names(model))
+
+
+def conversion_probe(ckpt, plan) -> tuple[dict | None, str | None]:
+    """The probe for `plan`, computed from the source weights; (None, reason) when skipped."""
+    need = model_f32_bytes(plan.model)
+    if need > PROBE_MAX_F32_BYTES:
+        return None, (f"probe skipped: the reference decoder would need {need / 1024**3:.1f} GiB of float32 weights "
+                      f"(limit {PROBE_MAX_F32_BYTES / 1024**3:.0f} GiB); check the archive with --against instead")
+    counts: dict[str, int] = {}
+    for t in plan.tensors:
+        if len(t.shape) == 2:
+            counts[t.source_dtype] = counts.get(t.source_dtype, 0) + 1
+    probe = make_probe(SourceProvider(ckpt, plan))
+    probe["source_dtype"] = max(sorted(counts), key=counts.get)
+    return probe, None
+
+
+def make_probe(provider, tokens: list[int] | None = None, top_k: int = PROBE_TOP_K) -> dict:
+    """validation.probe: the reference decoder's top-k logits per position, from `provider`."""
+    from thinconv.decoder import Decoder
+
+    tokens = tokens if tokens is not None else default_tokens(provider.model, PROBE_TOKENS)
+    logits = Decoder(provider).logits_for(tokens)
+    positions = []
+    for row in logits:
+        ids = np.argsort(-row, kind="stable")[:top_k]
+        positions.append({"ids": [int(i) for i in ids], "logits": [float(row[i]) for i in ids]})
+    return {"tokens": [int(t) for t in tokens], "top_k": top_k, "positions": positions}
+
+
+# ---------------------------------------------------------------- comparison
+
+@dataclass
+class PositionResult:
+    position: int
+    max_abs: float
+    max_rel: float
+    top1_match: bool
+    kl: float
+
+
+@dataclass
+class CheckResult:
+    dtype_class: str  # exact | float | q8_0 | q4
+    reference: str  # "transformers" | "probe"
+    positions: list[PositionResult] = field(default_factory=list)
+    thresholds: dict = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def summary(self) -> dict:
+        p = self.positions
+        return {"dtype_class": self.dtype_class, "reference": self.reference, "positions": len(p),
+                "max_abs_diff": max(x.max_abs for x in p), "max_rel_diff": max(x.max_rel for x in p),
+                "top1_agreement": sum(x.top1_match for x in p) / len(p),
+                "mean_kl": sum(x.kl for x in p) / len(p), "max_kl": max(x.kl for x in p)}
+
+    def to_json(self) -> dict:
+        return {**self.summary(), "ok": self.ok, "thresholds": self.thresholds, "failures": self.failures,
+                "per_position": [vars(x) for x in self.positions]}
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def compare_logits(reference: np.ndarray, test: np.ndarray) -> list[PositionResult]:
+    """Per position: max |Δ|, max |Δ| / max |reference|, top-1 agreement, KL(reference ‖ test)."""
+    out = []
+    lp, lq = _log_softmax(reference), _log_softmax(test)
+    for i, (r, t) in enumerate(zip(reference, test)):
+        diff = float(np.abs(r.astype(np.float64) - t).max())
+        scale = float(np.abs(r).max()) or 1.0
+        kl = float(np.sum(np.exp(lp[i]) * (lp[i] - lq[i])))
+        out.append(PositionResult(i, diff, diff / scale, int(np.argmax(r)) == int(np.argmax(t)), max(kl, 0.0)))
+    return out
+
+
+def compare_probe(probe: dict, test: np.ndarray) -> list[PositionResult]:
+    """Against a stored probe: differences over its top-k ids; KL over the top-k renormalized."""
+    out = []
+    for i, pos in enumerate(probe["positions"]):
+        ids = np.array(pos["ids"])
+        r = np.array(pos["logits"], np.float64)
+        t = test[i][ids].astype(np.float64)
+        diff = float(np.abs(r - t).max())
+        scale = float(np.abs(r).max()) or 1.0
+        lp, lq = _log_softmax(r), _log_softmax(t)
+        kl = float(np.sum(np.exp(lp) * (lp - lq)))
+        out.append(PositionResult(i, diff, diff / scale, int(np.argmax(test[i])) == int(ids[0]), max(kl, 0.0)))
+    return out
+
+
+THRESHOLDS = {
+    "exact": {"max_rel_diff": 1e-3, "top1_agreement": 1.0},
+    "float": {"max_rel_diff": 5e-2, "mean_kl": 1e-3},
+    "q8_0": {"mean_kl": 1e-2},
+    "q4": {"mean_kl": 1e-1},
+}
+
+
+def dtype_class(archive: Archive, source_dtypes: dict[str, str] | None) -> str:
+    """exact (bytes as in the source, up to exact upcasts), float (lossy float cast), q8_0, q4.
+
+    `source_dtypes` maps tensor name → THIN source dtype; without it the probe's record is used."""
+    classes = set()
+    probe_src = archive.manifest["validation"].get("probe", {}).get("source_dtype")
+    for t in archive.manifest["tensors"]:
+        if t["dtype"] in ("q4_0", "q4_1"):
+            classes.add("q4")
+        elif t["dtype"] == "q8_0":
+            classes.add("q8_0")
+        elif len(t["shape"]) == 2:
+            src = (source_dtypes or {}).get(t["name"], probe_src)
+            exact = src == t["dtype"] or (t["dtype"] == "f32" and src in ("f16", "bf16")) or \
+                (t["dtype"] == "f16" and src == "f16")
+            classes.add("exact" if exact else "float")
+    for c in ("q4", "q8_0", "float", "exact"):
+        if c in classes:
+            return c
+    return "exact"
+
+
+def judge(result: CheckResult, strict_q4: bool = False) -> CheckResult:
+    s = result.summary()
+    limits = dict(THRESHOLDS[result.dtype_class])
+    if result.dtype_class == "q4" and not strict_q4:
+        limits = {}
+    result.thresholds = limits
+    for key, bound in limits.items():
+        value = s[key]
+        bad = value < bound if key == "top1_agreement" else value > bound
+        if bad:
+            result.failures.append(f"{key} = {value:.6g}, {'below' if key == 'top1_agreement' else 'above'} the "
+                                   f"{result.dtype_class} bound {bound:g}")
+    return result
+
+
+def transformers_logits(source_root, tokens: list[int]) -> np.ndarray:
+    """The source model's logits under transformers (float32, CPU, eager attention)."""
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        raise UsageError("`thinconv check --against` needs torch and transformers: "
+                         "pip install 'thinconv[check]'") from None
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    model = AutoModelForCausalLM.from_pretrained(str(source_root), dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    with torch.no_grad():
+        out = model(torch.tensor([tokens]), use_cache=False).logits[0]
+    return out.float().numpy()
+
+
+def archive_tokenizer(archive: Archive):
+    """The embedded tokenizer.json as a `tokenizers.Tokenizer`."""
+    from tokenizers import Tokenizer
+
+    try:
+        data = archive.asset_bytes("tokenizer.json")
+    except ThinError:
+        raise UsageError(f"{archive.path.name} embeds no tokenizer.json; pass --tokens instead of --prompt") from None
+    try:
+        return Tokenizer.from_str(data.decode("utf-8"))
+    except Exception as e:  # tokenizers raises plain Exceptions
+        raise ConversionError(f"{archive.path.name}: embedded tokenizer.json does not load ({e})") from None
+
+
+def parse_tokens(text: str, vocab: int) -> list[int]:
+    try:
+        tokens = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise UsageError(f"--tokens {text!r}: expected comma-separated token ids, e.g. 1,2,3") from None
+    bad = [t for t in tokens if not 0 <= t < vocab]
+    if not tokens or bad:
+        raise UsageError(f"--tokens: ids must lie in [0, {vocab}), got {bad or 'none'}")
+    return tokens
+
+
+def run_check(archive: Archive, tokens: list[int], against: Any | None = None, strict_q4: bool = False) -> CheckResult:
+    """Decode `tokens` on the archive and compare with transformers on `against` (a Checkpoint),
+    or with the archive's own probe when `against` is None."""
+    from thinconv.decoder import Decoder
+
+    logits = Decoder(ArchiveProvider(archive)).logits_for(tokens)
+    if against is not None:
+        source_dtypes = {}
+        from thinconv.plan import SOURCE_DTYPES
+
+        for t in archive.manifest["tensors"]:
+            if t["source"] and all(s in against.tensors for s in t["source"]):
+                source_dtypes[t["name"]] = SOURCE_DTYPES.get(against.tensors[t["source"][0]].dtype, "?")
+        reference = transformers_logits(against.root, tokens)
+        result = CheckResult(dtype_class(archive, source_dtypes), "transformers", compare_logits(reference, logits))
+    else:
+        probe = archive.manifest["validation"].get("probe")
+        if not probe:
+            raise UsageError(f"{archive.path.name} has no validation.probe (converted with --no-probe?); "
+                             "use --against SRC")
+        if tokens != probe["tokens"]:
+            raise UsageError("comparing against the probe uses the probe's own tokens; drop --prompt/--tokens or "
+                             "use --against SRC")
+        result = CheckResult(dtype_class(archive, None), "probe", compare_probe(probe, logits))
+    return judge(result, strict_q4)
