@@ -127,7 +127,8 @@ def read_model_metadata(
     layers = _positive_int(config, "num_hidden_layers")
     max_pos = _positive_int(config, "max_position_embeddings")
     vocab = _positive_int(config, "vocab_size")
-    # null or absent: one KV head per attention head (transformers' __post_init__ for every family)
+    # null: one KV head per attention head (every family's __post_init__); absent: the same, as
+    # LlamaConfig does (MistralConfig / Qwen2Config's class defaults 8 / 32 are sizes, not a rule)
     kv_heads = heads if config.get("num_key_value_heads") is None else _positive_int(config, "num_key_value_heads")
     if heads % kv_heads:
         raise ConversionError(

@@ -186,6 +186,13 @@ def _inverse(d: np.ndarray) -> np.ndarray:
     return inv
 
 
+def _put_f16(col: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """Store ``v`` as f16 (round-to-nearest-even, like GGML_FP32_TO_FP16); return it as f32."""
+    h = v.astype(np.float16)
+    col[...] = h
+    return h.astype(_F32)
+
+
 def _quant_tile(scheme: str, src: np.ndarray, out: np.ndarray, sc: _Scratch,
                 stats: QuantErrorStats | None, is_f16: bool) -> int:
     """Quantize ``out.shape[0]`` blocks of flat ``src`` into ``out`` [k, block_bytes].
@@ -193,7 +200,7 @@ def _quant_tile(scheme: str, src: np.ndarray, out: np.ndarray, sc: _Scratch,
     Returns -1, or the index of the first block holding a non-finite value (nothing is written).
     """
     k = out.shape[0]
-    L, W, S, Q = sc.views(k)
+    _, W, S, Q = sc.views(k)
     L = _load_tile(src, k, sc)
     bmax, bmin = _block_minmax(L, k, sc)
     finite = np.isfinite(bmax) & np.isfinite(bmin)
@@ -217,10 +224,10 @@ def _quant_tile(scheme: str, src: np.ndarray, out: np.ndarray, sc: _Scratch,
         if bad.any():
             Q[:, np.repeat(bad, 4)] = 0
         np.copyto(out[:, 2:].view("V4"), Q.view("V4").T)
-        np.copyto(out[:, :2].view(np.float16)[:, 0], d, casting="same_kind")
+        d16 = _put_f16(out[:, :2].view(np.float16)[:, 0], d)
         if stats is not None:
             np.copyto(W, Qi)
-            np.multiply(W, np.repeat(d.astype(np.float16).astype(_F32), 4), out=W)
+            np.multiply(W, np.repeat(d16, 4), out=W)
     else:
         if scheme == "q4_0":
             # C keeps the first value of largest magnitude; +0.0 when the block is all zero.
@@ -234,6 +241,7 @@ def _quant_tile(scheme: str, src: np.ndarray, out: np.ndarray, sc: _Scratch,
             np.multiply(L, np.repeat(inv, 4), out=W)
             np.add(W, _F32(8.5), out=W)
             bad = np.isinf(inv)
+            off = 2
         else:
             # C keeps the first occurrence of min/max: only the sign of a zero can differ.
             for ext, fn in ((bmin, np.argmin), (bmax, np.argmax)):
@@ -247,27 +255,31 @@ def _quant_tile(scheme: str, src: np.ndarray, out: np.ndarray, sc: _Scratch,
             np.multiply(W, np.repeat(inv, 4), out=W)
             np.add(W, _F32(0.5), out=W)
             bad = np.isinf(inv) | np.isinf(d)
+            off = 4
         # W is in [0, 16.5]: the uint8 cast truncates like C's (int8_t) cast.
         np.copyto(Q, W, casting="unsafe")
         np.minimum(Q, sc.fifteen[: 4 * k], out=Q)
         if bad.any():
             Q[:, np.repeat(bad, 4)] = 0
         P = sc.p[: 16 * k].reshape(4, 4 * k)
-        np.left_shift(Q[4:], np.uint8(4), out=P)  # rows 4..7 hold values 16..31: the high nibbles
+        # rows 4..7 hold values 16..31, the high nibbles; all quants are <= 15 here, so shifting
+        # four at a time as uint32 never carries into the neighbouring byte.
+        np.left_shift(Q[4:].view(np.uint32), np.uint32(4), out=P.view(np.uint32))
         np.bitwise_or(P, Q[:4], out=P)
-        off = 2 if scheme == "q4_0" else 4
         np.copyto(out[:, off:].view("V4"), P.view("V4").T)
         head = out[:, :off].view(np.float16)
-        np.copyto(head[:, 0], d, casting="same_kind")
+        d16 = _put_f16(head[:, 0], d)
         if scheme == "q4_1":
-            np.copyto(head[:, 1], bmin, casting="same_kind")
+            m16 = _put_f16(head[:, 1], bmin)
         if stats is not None:
-            np.copyto(W, Q)
             if scheme == "q4_0":
-                np.subtract(W, _F32(8), out=W)
-            np.multiply(W, np.repeat(d.astype(np.float16).astype(_F32), 4), out=W)
+                np.subtract(Q, np.uint8(8), out=Q)  # wraps to the int8 value q - 8
+                np.copyto(W, Q.view(np.int8))
+            else:
+                np.copyto(W, Q)
+            np.multiply(W, np.repeat(d16, 4), out=W)
             if scheme == "q4_1":
-                np.add(W, np.repeat(bmin.astype(np.float16).astype(_F32), 4), out=W)
+                np.add(W, np.repeat(m16, 4), out=W)
 
     if stats is not None:
         np.subtract(W, L, out=W)

@@ -58,6 +58,8 @@ def parse_manifest(data: bytes, where: str = "manifest") -> Any:
         return json.loads(text, object_pairs_hook=no_duplicates, parse_constant=no_constants)
     except json.JSONDecodeError as e:
         raise ThinFormatError(f"{where}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+    except ValueError as e:  # e.g. an integer literal longer than Python's int-parsing digit limit
+        raise ThinFormatError(f"{where}: invalid JSON: {str(e).split(';')[0]}") from None
     except RecursionError:
         raise ThinFormatError(f"{where}: JSON nested too deeply") from None
 
@@ -160,7 +162,10 @@ def _kind(v: Any) -> str:
 
 
 def _short(v: Any) -> str:
-    s = json.dumps(v, ensure_ascii=False, default=str)
+    try:
+        s = json.dumps(v, ensure_ascii=False, default=str)
+    except RecursionError:  # parse_manifest accepts nesting up to about the recursion limit
+        return "a deeply nested value"
     return s if len(s) <= 60 else s[:57] + "..."
 
 
@@ -266,7 +271,9 @@ def _check_tensor(c: _Checker, t: Any, path: str, model: dict | None) -> None:
             c.r.add(f"{path}.role", f"expected {role!r} for tensor {name!r}, got {_short(t.get('role'))}")
         elif role not in spec.ROLES:
             c.r.add(f"{path}.role", f"unknown role {role!r}")
-        if t.get("layer") != layer or isinstance(t.get("layer"), bool):
+        got_layer = t.get("layer")
+        # `layer` is a JSON integer or null: 1.0 or true must not pass for 1.
+        if got_layer != layer or not (got_layer is None or _is_int(got_layer)):
             c.r.add(f"{path}.layer", f"expected {json.dumps(layer)} for tensor {name!r}, got {_short(t.get('layer'))}")
     src = t.get("source")
     if c.list(src, f"{path}.source"):
@@ -371,6 +378,8 @@ def _check_pages(c: _Checker, m: dict) -> None:
             c.r.add(path, f"expected page {want_id!r} of {want_kind} {owner.get('name')!r} here (decode order), "
                           f"got {_short(pid)} of {kind} {_short(pg.get(kind))}")
             continue
+        if not isinstance(owner.get("name"), str):
+            continue  # the owner's bad name is reported with the owner; it cannot key the tallies below
         if kind == "asset":
             if "rows" in pg:
                 c.r.add(f"{path}.rows", "asset pages have no rows")
@@ -385,10 +394,10 @@ def _check_pages(c: _Checker, m: dict) -> None:
         c.r.add("pages", "an archive has at least one page")
     for t in tensors:
         shape, name = t.get("shape"), t.get("name")
-        if name in row_cursor and isinstance(shape, list) and shape and _is_int(shape[0]) and row_cursor[name] != shape[0]:
+        if isinstance(name, str) and name in row_cursor and isinstance(shape, list) and shape and _is_int(shape[0]) and row_cursor[name] != shape[0]:
             c.r.add(f"tensor {name}", f"pages cover rows [0, {row_cursor[name]}), expected [0, {shape[0]})")
     for a in assets:
-        if a.get("name") in asset_bytes or a.get("pages") == []:
+        if isinstance(a.get("name"), str) and (a["name"] in asset_bytes or a.get("pages") == []):
             got = asset_bytes.get(a.get("name"), 0)
             if _is_int(a.get("size")) and got != a["size"]:
                 c.r.add(f"asset {a.get('name')}", f"pages hold {got} bytes, size says {a['size']}")
@@ -425,12 +434,13 @@ def _check_validation(c: _Checker, v: Any, names: set[str]) -> None:
     p = "validation"
     if not c.obj(v, p, (), optional=("converter", "source", "stats", "quant", "probe")):
         return
+    # Sections may be absent, but a present one has its type: readers (e.g. summarize) rely on it.
     conv = v.get("converter")
-    if conv is not None and c.obj(conv, f"{p}.converter", ("name", "version", "recipe")):
+    if "converter" in v and c.obj(conv, f"{p}.converter", ("name", "version", "recipe")):
         for k in ("name", "version", "recipe"):
             c.str(conv.get(k), f"{p}.converter.{k}")
     src = v.get("source")
-    if src is not None and c.obj(src, f"{p}.source", ("repo_id", "revision", "commit", "files")):
+    if "source" in v and c.obj(src, f"{p}.source", ("repo_id", "revision", "commit", "files")):
         for k in ("repo_id", "revision", "commit"):
             c.str(src.get(k), f"{p}.source.{k}", null=True)
         if c.list(src.get("files"), f"{p}.source.files"):
@@ -445,7 +455,7 @@ def _check_validation(c: _Checker, v: Any, names: set[str]) -> None:
     for section, fields, counts in (("stats", ("min", "max", "mean", "std"), ("nan", "inf")),
                                     ("quant", ("rmse", "max_abs_err", "rel_rmse"), ())):
         table = v.get(section)
-        if table is None or not c.obj(table, f"{p}.{section}"):
+        if section not in v or not c.obj(table, f"{p}.{section}"):
             continue
         for name, entry in table.items():
             ep = f"{p}.{section}.{name}"

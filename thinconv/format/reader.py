@@ -166,7 +166,7 @@ class Archive:
         m = parse_manifest(self._manifest_bytes, f"{self._name}: manifest")
         try:
             canonical = spec.canonical_json(m)
-        except (ValueError, TypeError) as e:
+        except (ValueError, TypeError, RecursionError) as e:
             raise self._fail(f"manifest cannot be re-encoded canonically ({e})") from None
         if canonical != self._manifest_bytes:
             at = next((i for i, (a, b) in enumerate(zip(canonical, self._manifest_bytes)) if a != b),

@@ -33,6 +33,18 @@ class PageSource(Protocol):
     def chunks(self) -> Iterable[Any]: ...  # bytes-like objects (bytes, memoryview, contiguous ndarray)
 
 
+def byte_view(data: Any) -> memoryview:
+    """A flat read-only byte view of a bytes-like object or C-contiguous numpy array.
+
+    numpy arrays go through a uint8 view: the buffer protocol cannot describe some dtypes
+    (ml_dtypes' bfloat16 raises "cannot include dtype 'E' in a buffer")."""
+    if hasattr(data, "__array_interface__") and hasattr(data, "view") and hasattr(data, "flags"):
+        if not data.flags.c_contiguous:
+            raise TypeError("a page buffer must be C-contiguous")
+        data = data.reshape(-1).view("u1")
+    return memoryview(data).cast("B")
+
+
 @dataclass
 class BufferPage:
     """A page held in memory (bytes, memoryview or a contiguous numpy array)."""
@@ -41,10 +53,10 @@ class BufferPage:
 
     @property
     def size(self) -> int:
-        return memoryview(self.data).nbytes
+        return byte_view(self.data).nbytes
 
     def chunks(self) -> Iterator[Any]:
-        yield memoryview(self.data).cast("B")
+        yield byte_view(self.data)
 
 
 @dataclass
@@ -126,7 +138,12 @@ def page_record(pid: str, offset: int, size: int, checksum: bytes) -> bytes:
 
 def plan_layout(manifest: dict) -> Layout:
     """The byte layout a valid manifest fixes: manifest bytes, page table, offsets, archive hash."""
-    mbytes = spec.canonical_json(manifest)
+    try:
+        mbytes = spec.canonical_json(manifest)
+    except (ValueError, TypeError, RecursionError) as e:
+        # validate_manifest does not look inside free-form sections (runtime, probe): NaN, a lone
+        # surrogate or a non-JSON object there only shows up when encoding.
+        raise PackError(f"manifest cannot be encoded as canonical JSON ({e})") from None
     if len(mbytes) > spec.MAX_MANIFEST_LEN:
         raise PackError(f"manifest is {len(mbytes)} bytes; THIN v0 allows at most {spec.MAX_MANIFEST_LEN}")
     pages = manifest["pages"]
@@ -171,6 +188,8 @@ def pack(manifest: dict, page_sources: Mapping[str, SourceLike], out_path: str |
             size = sources[pid].size
         except OSError as e:
             raise PackError(f"page {pid!r}: cannot read its source: {e.strerror or e}") from None
+        except (TypeError, ValueError) as e:
+            raise PackError(f"page {pid!r}: source is not a usable buffer ({e})") from None
         if size != p["size"]:
             raise PackError(f"page {pid!r}: source holds {size} bytes, manifest declares {p['size']}")
     layout = plan_layout(manifest)
@@ -190,7 +209,10 @@ def _write_archive(f, manifest: dict, layout: Layout, sources: dict[str, PageSou
         hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
         written = 0
         for chunk in sources[p["id"]].chunks():
-            view = memoryview(chunk).cast("B")
+            try:
+                view = byte_view(chunk)
+            except (TypeError, ValueError) as e:
+                raise PackError(f"page {p['id']!r}: source produced a chunk that is not contiguous bytes ({e})") from None
             if written + view.nbytes > p["size"]:
                 raise PackError(f"page {p['id']!r}: source produced more than the declared {p['size']} bytes")
             hasher.update(view)
