@@ -236,8 +236,14 @@ def expected_names(model: dict) -> list[str]:
 
 
 def run_cli(*args: str, env: dict | None = None, preexec_fn=None, timeout: float = 120) -> subprocess.CompletedProcess:
-    """The real console script in a subprocess (per-recipe sub-commands, env vars, rlimits)."""
-    full_env = {**os.environ, "COLUMNS": "200", **(env or {})}
+    """The real console script in a subprocess (per-recipe sub-commands, env vars, rlimits).
+    `env` adds variables to this process's environment; a None value removes one."""
+    full_env = {**os.environ, "COLUMNS": "200"}
+    for key, value in (env or {}).items():
+        if value is None:
+            full_env.pop(key, None)
+        else:
+            full_env[key] = value
     return subprocess.run([str(BIN), *map(str, args)], capture_output=True, text=True, env=full_env,
                           preexec_fn=preexec_fn, timeout=timeout)
 

@@ -3,6 +3,7 @@ exit, no traceback — and loses nothing: no output, no temp file, a pre-existin
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import pickle
@@ -176,6 +177,16 @@ def case_f16_overflow(src: Path, marker: Path):
     return ["blk.0.ffn_up.weight", "model.layers.0.mlp.up_proj.weight", "f16 range", "1e+06"], ["--dtype", "f16"]
 
 
+def case_f64_beyond_f32(src: Path, marker: Path):
+    def wide(t):
+        for k in t:
+            t[k] = t[k].astype(np.float64)
+        t["model.layers.1.mlp.down_proj.weight"][2, 3] = -1e300
+
+    _edit_weights(src, wide)
+    return ["blk.1.ffn_down.weight", "model.layers.1.mlp.down_proj.weight", "f32 range", "1e+300"]
+
+
 def case_nan_strict(src: Path, marker: Path):
     def nan(t):
         w = t["model.layers.1.self_attn.v_proj.weight"].copy()
@@ -190,6 +201,11 @@ CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case
 SHARDED = {"index_names_missing_shard", "tensor_in_two_shards"}
 
 
+def _case(name: str, src: Path, marker: Path) -> tuple[list[str], list[str]]:
+    got = CASES[name](src, marker)
+    return got if isinstance(got[1], list) else (got, [])
+
+
 @pytest.fixture
 def broken(request, ckpts, tmp_path):
     """(source folder, output folder, marker, needles, extra args) for one case."""
@@ -198,18 +214,19 @@ def broken(request, ckpts, tmp_path):
     src = tmp_path / "src"
     shutil.copytree(base.path, src)
     marker = tmp_path / "unpickled"
-    got = CASES[name](src, marker)
-    needles, extra = got if isinstance(got[1], list) else (got, [])
+    needles, extra = _case(name, src, marker)
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     return src, out_dir, marker, needles, extra
 
 
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # a numpy warning would be a second stderr line
 @pytest.mark.parametrize("broken", sorted(CASES), indirect=True)
 def test_bad_input(broken):
     src, out_dir, marker, needles, extra = broken
     out = out_dir / "model.thin"
-    for probe in ("--probe", "--no-probe"):
+    # (the probe's own handling of an f64 overflow is checked in test_f64_overflow_with_probe)
+    for probe in ("--no-probe",) if "f32 range" in needles else ("--probe", "--no-probe"):
         # no output: none is written, no temp file is left
         r = runner.invoke(app, ["convert", str(src), str(out), probe, *extra])
         assert r.exit_code == 1, (r.output, r.exception)
@@ -225,13 +242,14 @@ def test_bad_input(broken):
     assert not marker.exists()  # the pickle was never loaded
 
 
-def test_bad_input_in_a_subprocess_is_one_line(llama_copy: Ckpt, tmp_path):
-    """The real console script: exit 1, one line, no traceback."""
-    (llama_copy.path / "config.json").write_text("[1, 2")
-    r = run_cli("convert", llama_copy.path, tmp_path / "o.thin")
+@pytest.mark.parametrize("name", ["invalid_config", "f16_overflow"])
+def test_bad_input_in_a_subprocess_is_one_line(name, llama_copy: Ckpt, tmp_path):
+    """The real console script: exit 1, one line on stderr (no numpy warning either), no traceback."""
+    needles, extra = _case(name, llama_copy.path, tmp_path / "marker")
+    r = run_cli("convert", llama_copy.path, tmp_path / "o.thin", "--no-probe", *extra)
     assert r.returncode == 1
-    assert_one_line_error(r.stderr, "config.json", "not valid JSON")
-    assert not (tmp_path / "o.thin").exists()
+    assert_one_line_error(r.stderr, *needles)
+    assert leftovers(tmp_path) == ["src"]
 
 
 # ---------------------------------------------------------------- what is accepted
@@ -276,8 +294,35 @@ def test_nan_inf_are_counted_and_warned(llama_copy: Ckpt, tmp_path, probe):
     assert st["min"] == finite.min() and st["max"] == finite.max()
     assert st["mean"] == pytest.approx(finite.mean(), rel=1e-9) and st["std"] == pytest.approx(finite.std(), rel=1e-9)
     assert np.isnan(thin.array("blk.1.attn_v.weight")[0, 0])  # stored as is
+    assert "probe" not in thin.manifest["validation"]  # the source's logits are not finite
+    if probe == "--probe":
+        assert "probe skipped" in r.stderr
     assert thin.manifest["validation"]["stats"]["blk.0.attn_v.weight"]["nan"] == 0
     assert runner.invoke(app, ["verify", str(out)]).exit_code == 0
+
+
+@pytest.mark.xfail(strict=True, reason="BUG thinconv/check.py:60 (SourceProvider.get) and decoder.py:86: the probe "
+                   "casts f64 weights beyond the f32 range with numpy warnings printed to stderr before the "
+                   "conversion reports the overflow")
+def test_f64_overflow_with_probe(llama_copy: Ckpt, tmp_path):
+    needles, extra = _case("f64_beyond_f32", llama_copy.path, tmp_path / "marker")
+    r = run_cli("convert", llama_copy.path, tmp_path / "o.thin", *extra)
+    assert r.returncode == 1
+    assert_one_line_error(r.stderr, *needles)
+
+
+def test_f64_source_converts_to_f32(llama_copy: Ckpt, tmp_path):
+    def wide(t):
+        for k in t:
+            t[k] = t[k].astype(np.float64) / 3  # not representable in f32: rounding happens
+    _edit_weights(llama_copy.path, wide)
+    out = tmp_path / "w.thin"
+    r = runner.invoke(app, ["convert", str(llama_copy.path), str(out), "--no-probe"])
+    assert r.exit_code == 0, r.output
+    thin = Thin.read(out)
+    w = llama_copy.tensors["model.layers.0.mlp.up_proj.weight"].astype(np.float64) / 3
+    assert thin.tensor_entry("blk.0.ffn_up.weight")["dtype"] == "f32"
+    assert np.array_equal(thin.array("blk.0.ffn_up.weight"), w.astype(np.float32))
 
 
 def test_f16_in_range_converts(ckpts, tmp_path):
@@ -329,33 +374,29 @@ def test_output_folder_missing(ckpts, tmp_path):
     assert leftovers(tmp_path) == []
 
 
-def test_output_folder_not_writable(ckpts):
-    """chmod 0o500 on the output folder. Root ignores permission bits, so when the tests run as root
-    the CLI runs in a subprocess as user `nobody` (65534), from a world-readable copy of the checkpoint."""
-    base = Path(tempfile.mkdtemp(prefix="thinconv-ro-"))
+def _drop_dac_override() -> None:
+    """In the child, before exec: remove CAP_DAC_OVERRIDE from the bounding set, so root (as the tests
+    run here) obeys permission bits like anyone else (prctl(PR_CAPBSET_DROP, CAP_DAC_OVERRIDE))."""
+    if os.geteuid() != 0:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(24, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP, CAP_DAC_OVERRIDE) failed")
+
+
+def test_output_folder_not_writable(ckpts, tmp_path):
+    """chmod 0o500 on the output folder. Root bypasses permission bits through CAP_DAC_OVERRIDE, so the
+    CLI runs in a subprocess whose bounding set lacks that capability (see _drop_dac_override)."""
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    os.chmod(out_dir, 0o500)
     try:
-        os.chmod(base, 0o755)
-        src = base / "src"
-        shutil.copytree(ckpts["llama2"].path, src)
-        for p in [src, *src.iterdir()]:
-            os.chmod(p, 0o755 if p.is_dir() else 0o644)
-        out_dir = base / "out"
-        out_dir.mkdir()
-        os.chmod(out_dir, 0o500)
-
-        def drop():
-            if os.geteuid() == 0:
-                os.setgid(65534)
-                os.setuid(65534)
-
-        r = run_cli("convert", src, out_dir / "o.thin", "--no-probe", preexec_fn=drop,
-                    env={"HOME": str(base), "HF_HOME": str(base / "hf")})
+        r = run_cli("convert", ckpts["llama2"].path, out_dir / "o.thin", "--no-probe", preexec_fn=_drop_dac_override)
         assert r.returncode == 1, r.stderr
         assert_one_line_error(r.stderr, str(out_dir), "not writable")
         assert leftovers(out_dir) == []
     finally:
-        os.chmod(base / "out", 0o700)
-        shutil.rmtree(base)
+        os.chmod(out_dir, 0o700)
 
 
 def test_disk_full_mid_write(ckpts, tmp_path):

@@ -88,6 +88,8 @@ def conversion_probe(ckpt, plan) -> tuple[dict | None, str | None]:
         if len(t.shape) == 2:
             counts[t.source_dtype] = counts.get(t.source_dtype, 0) + 1
     probe = make_probe(SourceProvider(ckpt, plan))
+    if not all(math.isfinite(v) for pos in probe["positions"] for v in pos["logits"]):
+        return None, "probe skipped: the source weights give non-finite logits (see the NaN/Inf warnings)"
     probe["source_dtype"] = max(sorted(counts), key=counts.get)
     return probe, None
 

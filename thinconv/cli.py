@@ -403,6 +403,9 @@ def _register_recipe_commands(argv: list[str]) -> None:
     from thinconv.errors import RecipeError
     from thinconv.recipe import load_registry
 
+    static = {"inspect", "verify", "pack", "unpack", "convert", "recipes", "recipe", "check", "run"}
+    if argv and argv[0] in static:
+        return  # keep start-up fast: these commands never need the recipe sub-commands
     extra = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--recipes"]
     extra += [a.split("=", 1)[1] for a in argv if a.startswith("--recipes=")]
     try:

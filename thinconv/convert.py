@@ -62,21 +62,28 @@ class RunningStats:
     def add(self, x: np.ndarray) -> None:
         finite = np.isfinite(x)
         n_finite = int(np.count_nonzero(finite))
+        part = RunningStats()
         if n_finite != x.size:
-            nans = int(np.count_nonzero(np.isnan(x)))
-            self.nan += nans
-            self.inf += x.size - n_finite - nans
+            part.nan = int(np.count_nonzero(np.isnan(x)))
+            part.inf = x.size - n_finite - part.nan
             x = x[finite]
-        if n_finite == 0:
+        if n_finite:
+            x64 = x.astype(np.float64)
+            part.count, part.mean = n_finite, float(x64.mean())
+            part.m2 = float(np.square(x64 - part.mean).sum())
+            part.lo, part.hi = float(x.min()), float(x.max())
+        self.merge(part)
+
+    def merge(self, part: "RunningStats") -> None:
+        self.nan += part.nan
+        self.inf += part.inf
+        if part.count == 0:
             return
-        x64 = x.astype(np.float64, copy=False)
-        mean = float(x64.mean())
-        m2 = float(np.square(x64 - mean).sum())
-        self.lo, self.hi = min(self.lo, float(x.min())), max(self.hi, float(x.max()))
-        total = self.count + n_finite
-        delta = mean - self.mean
-        self.mean += delta * n_finite / total
-        self.m2 += m2 + delta * delta * self.count * n_finite / total
+        total = self.count + part.count
+        delta = part.mean - self.mean
+        self.mean += delta * part.count / total
+        self.m2 += part.m2 + delta * delta * self.count * part.count / total
+        self.lo, self.hi = min(self.lo, part.lo), max(self.hi, part.hi)
         self.count = total
 
     def result(self) -> dict:
@@ -101,7 +108,7 @@ class TensorSource:
     """Reads output rows [start, end) of one planned tensor from the checkpoint, in source dtype."""
 
     def __init__(self, ckpt: Checkpoint, tp: TensorPlan, model: dict, recipe_path: str):
-        self.tp, self.model = tp, model
+        self.tp, self.model, self.ckpt = tp, model, ckpt
         self.arrays = [ckpt.array(s) for s in tp.sources]
         if len(tp.shape) == 1:
             self.arrays = [a.reshape(-1) for a in self.arrays]
@@ -123,6 +130,17 @@ class TensorSource:
                                       f"[{start}, {end})")
         return out
 
+    def release(self, start: int, end: int) -> None:
+        """Drop the source bytes behind output rows [start, end) from resident memory."""
+        if self.perm is not None:
+            idx = self.perm[start:end]
+            start, end = int(idx.min()), int(idx.max()) + 1
+        for name, a, off in zip(self.tp.sources, self.arrays, self.offsets):
+            s, e = max(start, off), min(end, off + a.shape[0])
+            if s < e:
+                row = a.nbytes // max(a.shape[0], 1)
+                self.ckpt.release(name, (s - off) * row, (e - off) * row)
+
     def _range(self, start: int, end: int) -> np.ndarray:
         pieces = []
         for a, off in zip(self.arrays, self.offsets):
@@ -140,12 +158,18 @@ def _as_bytes(a: np.ndarray) -> np.ndarray:
 @dataclass
 class PageOutput:
     data: np.ndarray  # the page's bytes, uint8
-    src32: np.ndarray | None = None  # the source rows as float32, for stats (pass 1 only)
-    deq32: np.ndarray | None = None  # dequantized rows, for the error report (pass 1 only)
+    stats: RunningStats | None = None  # source-value statistics (pass 1 only)
+    qerr: Any = None  # thinconv.quant.QuantErrorStats of a block-quantized page (pass 1 only)
+
+
+CHUNK_VALUES = 1 << 20  # values per work chunk: temporaries stay a few MiB whatever the page size
 
 
 class PageMaker:
-    """Produces the exact bytes of every page of a plan (deterministic, so both passes agree)."""
+    """Produces the exact bytes of every page of a plan (deterministic, so both passes agree).
+
+    Work inside a page runs in row chunks of ~CHUNK_VALUES values, so besides the page's own
+    output buffer only a few MiB of temporaries exist per page in flight."""
 
     def __init__(self, ckpt: Checkpoint, plan: Plan):
         self.ckpt, self.plan = ckpt, plan
@@ -158,33 +182,67 @@ class PageMaker:
         return self._sources[tp.name]
 
     def make(self, tp: TensorPlan, start: int, end: int, analyse: bool) -> PageOutput:
+        stats = RunningStats() if analyse else None
         if tp.name == "rope_freqs":
             if self._rope is None:
                 model = self.plan.model
                 self._rope = np.ascontiguousarray(rope_inv_freq(model["rope"], head_dim=model["head_dim"],
                                                                 max_position_embeddings=model["max_position_embeddings"]),
                                                   dtype="<f4")
-            return PageOutput(_as_bytes(self._rope), self._rope if analyse else None)
+            if stats:
+                stats.add(self._rope)
+            return PageOutput(_as_bytes(self._rope), stats)
         src = self.source(tp).rows(start, end)
+        step = max(1, CHUNK_VALUES // (src.shape[1] if src.ndim == 2 else CHUNK_VALUES))
+        chunks = [(a, min(a + step, src.shape[0])) for a in range(0, src.shape[0], step)]
         if tp.dtype in spec.BLOCK_DTYPES:
-            from thinconv.quant import dequantize_rows, quantize_rows
-
-            src32 = np.ascontiguousarray(src, dtype=np.float32)
-            blocks = quantize_rows(src32, tp.dtype)
-            deq = dequantize_rows(blocks, tp.dtype, tp.shape[1]) if analyse else None
-            return PageOutput(_as_bytes(blocks), src32 if analyse else None, deq)
+            return self._quantize(tp, src, chunks, stats)
         want = NUMPY_OUT[tp.dtype]
-        if src.dtype == want:
-            return PageOutput(_as_bytes(src), src.astype(np.float32) if analyse else None)
-        src32 = src.astype(np.float32)
-        out = src32.astype(want)
-        if tp.dtype == "f16":
-            overflow = np.isinf(out) & np.isfinite(src32)
-            if overflow.any():
-                worst = float(np.abs(src32[overflow]).max())
-                raise ConversionError(f"tensor {tp.name} ({', '.join(tp.sources)}): {int(overflow.sum())} value(s) beyond "
-                                      f"the f16 range (largest |x| = {worst:g} > {F16_MAX:g}); use --dtype bf16 or f32")
-        return PageOutput(_as_bytes(out), src32 if analyse else None)
+        if src.dtype == want:  # passthrough: the page is a view of the source
+            if stats:
+                for a, b in chunks:
+                    stats.add(src[a:b].astype(np.float32))
+            return PageOutput(_as_bytes(src), stats)
+        out = np.empty(src.shape, want)
+        for a, b in chunks:
+            # Overflow is reported below as one error line, not as a numpy warning on stderr.
+            with np.errstate(over="ignore", invalid="ignore"):
+                src32 = src[a:b].astype(np.float32)
+                out[a:b] = src32.astype(want)
+            self._check_range(tp, src[a:b], out[a:b], want)
+            if stats:
+                stats.add(src32)
+        return PageOutput(_as_bytes(out), stats)
+
+    @staticmethod
+    def _quantize(tp: TensorPlan, src: np.ndarray, chunks: list[tuple[int, int]], stats: RunningStats | None) -> PageOutput:
+        from thinconv.quant import NonFiniteError, QuantErrorStats, dequantize_rows, quantize_rows
+
+        out = np.empty((src.shape[0], tp.row_bytes), np.uint8)
+        qerr = QuantErrorStats() if stats is not None else None
+        for a, b in chunks:
+            src32 = np.ascontiguousarray(src[a:b], dtype=np.float32)
+            try:
+                quantize_rows(src32, tp.dtype, out=out[a:b])
+            except NonFiniteError:
+                raise ConversionError(f"tensor {tp.name} ({', '.join(tp.sources)}) holds NaN or Inf values, which "
+                                      f"{tp.dtype} cannot represent; convert to a float dtype or fix the checkpoint") from None
+            if stats is not None:
+                stats.add(src32)
+                qerr.accumulate(src32, dequantize_rows(out[a:b], tp.dtype, tp.shape[1]))
+        return PageOutput(_as_bytes(out), stats, qerr)
+
+    @staticmethod
+    def _check_range(tp: TensorPlan, src: np.ndarray, out: np.ndarray, want: np.dtype) -> None:
+        """Any narrowing cast (f64 sources → f32 included) must not turn finite values into Inf."""
+        overflow = np.isinf(out) & np.isfinite(src)
+        if overflow.any():
+            worst = float(np.abs(src[overflow].astype(np.float64)).max())
+            limit = float(ml_dtypes.finfo(want).max)
+            hint = {"f16": "use --dtype bf16 or f32", "bf16": "use --dtype f32"}.get(
+                tp.dtype, "f32 is the widest THIN dtype: fix the checkpoint")
+            raise ConversionError(f"tensor {tp.name} ({', '.join(tp.sources)}): {int(overflow.sum())} value(s) beyond "
+                                  f"the {tp.dtype} range (largest |x| = {worst:g} > {limit:g}); {hint}")
 
 
 @dataclass
@@ -245,29 +303,22 @@ def convert(ckpt: Checkpoint, plan: Plan, out: str | os.PathLike, *, force: bool
     def analyse(job: tuple[TensorPlan, int, int, int]):
         tp, k, s, e = job
         page = maker.make(tp, s, e, analyse=True)
-        buf = memoryview(page.data).cast("B")
-        checksum = blake3.blake3(buf, max_threads=blake3.blake3.AUTO).hexdigest()
-        part = RunningStats()
-        part.add(page.src32)
-        err = None
-        if page.deq32 is not None:
-            diff = page.deq32 - page.src32
-            err = (float(np.square(diff, dtype=np.float64).sum()), float(np.abs(diff).max(initial=0.0)),
-                   float(np.square(page.src32, dtype=np.float64).sum()), page.src32.size)
-        return tp, k, s, e, buf.nbytes, checksum, part, err
+        checksum = blake3.blake3(page.data, max_threads=blake3.blake3.AUTO).hexdigest()
+        if tp.sources:
+            maker.source(tp).release(s, e)
+        return tp, k, s, e, page.data.nbytes, checksum, page
 
     jobs = [(tp, k, s, e) for tp in plan.tensors for k, (s, e) in enumerate(tp.pages)]
     merged: dict[str, RunningStats] = {}
-    errs: dict[str, list[float]] = {}
-    for tp, k, s, e, size, checksum, part, err in _ordered_map(analyse, jobs):
+    errs: dict[str, Any] = {}
+    for tp, k, s, e, size, checksum, page in _ordered_map(analyse, jobs):
         pages.append({"id": spec.page_id(tp.name, k), "tensor": tp.name, "rows": [s, e], "size": size, "checksum": checksum})
-        _merge_stats(merged.setdefault(tp.name, RunningStats()), part)
-        if err is not None:
-            acc = errs.setdefault(tp.name, [0.0, 0.0, 0.0, 0])
-            acc[0] += err[0]
-            acc[1] = max(acc[1], err[1])
-            acc[2] += err[2]
-            acc[3] += err[3]
+        merged.setdefault(tp.name, RunningStats()).merge(page.stats)
+        if page.qerr is not None:
+            if tp.name in errs:
+                errs[tp.name].merge(page.qerr)
+            else:
+                errs[tp.name] = page.qerr
         progress.advance(size)
     for tp in plan.tensors:
         st = merged[tp.name].result()
@@ -279,16 +330,13 @@ def convert(ckpt: Checkpoint, plan: Plan, out: str | os.PathLike, *, force: bool
                 raise ConversionError(msg + " (--strict)")
             warnings.append(msg)
         if tp.name in errs:
-            sq, mx, ref, n = errs[tp.name]
-            rmse = math.sqrt(sq / n)
-            rms = math.sqrt(ref / n)
-            quant[tp.name] = {"rmse": rmse, "max_abs_err": mx, "rel_rmse": rmse / rms if rms > 0 else 0.0}
+            quant[tp.name] = errs[tp.name].result()
         elif tp.note:
             quant[tp.name] = {"rmse": None, "max_abs_err": None, "rel_rmse": None, "note": tp.note}
         tensors.append({"name": tp.name, "role": tp.role, "layer": tp.layer, "source": tp.sources, "shape": tp.shape,
                         "dtype": tp.dtype, "quant": tp.quant, "hints": tp.hints,
                         "pages": [spec.page_id(tp.name, k) for k in range(len(tp.pages))]})
-    sources: dict[str, Any] = _tensor_page_sources(maker, plan)
+    sources, prefetcher = _tensor_page_sources(maker, plan)
     assets = []
     for ap in plan.assets:
         ids = []
@@ -316,33 +364,53 @@ def convert(ckpt: Checkpoint, plan: Plan, out: str | os.PathLike, *, force: bool
                 "runtime": {"page_size": plan.options.page_size}, "validation": validation}
     total = sum(p["size"] for p in pages)
     progress.start("writing", total)
-    result: PackResult = pack(manifest, sources, out, force=force, progress=progress.advance)
+    try:
+        result: PackResult = pack(manifest, sources, out, force=force, progress=progress.advance)
+    finally:
+        prefetcher.close()
     return ConvertResult(result.path, result.size, result.page_count, result.archive_hash,
                          time.perf_counter() - t0, manifest, warnings)
 
 
-def _merge_stats(into: RunningStats, part: RunningStats) -> None:
-    into.nan += part.nan
-    into.inf += part.inf
-    if part.count == 0:
-        return
-    total = into.count + part.count
-    delta = part.mean - into.mean
-    into.mean += delta * part.count / total
-    into.m2 += part.m2 + delta * delta * into.count * part.count / total
-    into.lo, into.hi = min(into.lo, part.lo), max(into.hi, part.hi)
-    into.count = total
+class _Prefetcher:
+    """Produces pass-2 pages on worker threads a few pages ahead of the packer, which asks for them
+    in order; at most `ahead` + 1 pages are held at once."""
+
+    def __init__(self, jobs: list[Callable[[], np.ndarray]], done: list[Callable[[], None]], workers: int = 2,
+                 ahead: int = 2):
+        self.jobs, self.done, self.ahead = jobs, done, ahead
+        self.pool = ThreadPoolExecutor(max_workers=workers)
+        self.futures: dict[int, Any] = {}
+        self.next = 0
+
+    def get(self, i: int) -> np.ndarray:
+        while self.next < len(self.jobs) and self.next <= i + self.ahead:
+            self.futures[self.next] = self.pool.submit(self.jobs[self.next])
+            self.next += 1
+        if i > 0:
+            self.done[i - 1]()  # the packer has written page i - 1
+        future = self.futures.pop(i, None)
+        return future.result() if future is not None else self.jobs[i]()
+
+    def close(self) -> None:
+        for f in self.futures.values():
+            f.cancel()
+        self.pool.shutdown(wait=True)
 
 
-def _tensor_page_sources(maker: PageMaker, plan: Plan) -> dict[str, LazyPage]:
-    """Pass 2: each page regenerated on demand, one at a time, while the packer writes."""
+def _tensor_page_sources(maker: PageMaker, plan: Plan) -> tuple[dict[str, LazyPage], _Prefetcher]:
+    """Pass 2: each page regenerated on demand (a few ahead, on both cores) while the packer writes."""
     sources: dict[str, LazyPage] = {}
+    jobs: list[Callable[[], np.ndarray]] = []
+    done: list[Callable[[], None]] = []
+    prefetcher = _Prefetcher(jobs, done)
     for tp in plan.tensors:
         for k, (s, e) in enumerate(tp.pages):
-            size = (e - s) * tp.row_bytes
+            jobs.append(lambda tp=tp, s=s, e=e: maker.make(tp, s, e, analyse=False).data)
+            done.append((lambda tp=tp, s=s, e=e: maker.source(tp).release(s, e)) if tp.sources else (lambda: None))
 
-            def produce(tp: TensorPlan = tp, s: int = s, e: int = e) -> list:
-                return [maker.make(tp, s, e, analyse=False).data]
+            def produce(i: int = len(jobs) - 1) -> list:
+                return [prefetcher.get(i)]
 
-            sources[spec.page_id(tp.name, k)] = LazyPage(size, produce)
-    return sources
+            sources[spec.page_id(tp.name, k)] = LazyPage((e - s) * tp.row_bytes, produce)
+    return sources, prefetcher

@@ -86,15 +86,20 @@ class QuantErrorStats:
     def _add_diff(self, diff: np.ndarray, src: np.ndarray, src_amax: float) -> None:
         # diff, src: contiguous f32 of equal size; diff = dequantized - source (may be clobbered).
         self.count += src.size
-        self.max_abs_err = max(self.max_abs_err, float(diff.max()), -float(diff.min()))
         d, s = diff.reshape(-1), src.reshape(-1)
+        worst = max(float(d.max()), -float(d.min()))
         if _SAFE_SQ[0] <= src_amax <= _SAFE_SQ[1]:
-            self.sum_sq_err += float(np.dot(d, d))
-            self.sum_sq_src += float(np.dot(s, s))
+            sq_err, sq_src = float(np.dot(d, d)), float(np.dot(s, s))
         else:  # squares would over/underflow f32
             d64, s64 = d.astype(np.float64), s.astype(np.float64)
-            self.sum_sq_err += float(np.dot(d64, d64))
-            self.sum_sq_src += float(np.dot(s64, s64))
+            sq_err, sq_src = float(np.dot(d64, d64)), float(np.dot(s64, s64))
+        if math.isnan(worst) or math.isnan(sq_err):
+            # d or m overflowed f16 (|x| beyond ~8e6 for q8_0, ~5e5 for q4_0, 65504 for q4_1's
+            # min): the block decodes to inf/NaN, so the error is unbounded — report inf.
+            worst = sq_err = math.inf
+        self.max_abs_err = max(self.max_abs_err, worst)
+        self.sum_sq_err += sq_err
+        self.sum_sq_src += sq_src
 
 
 def _check_scheme(scheme: str) -> int:
@@ -210,7 +215,7 @@ def _quant_tile(scheme: str, src: np.ndarray, out: np.ndarray, sc: _Scratch,
         return int(np.argmin(finite))
 
     if scheme == "q8_0":
-        d = np.maximum(bmax, -bmin) / _F32(127)
+        d = (np.maximum(bmax, -bmin) + _F32(0)) / _F32(127)  # + 0: C's amax is never -0.0
         inv = _inverse(d)
         np.multiply(L, np.repeat(inv, 4), out=W)
         # roundf(v) = trunc(v + copysign(0.49999997f, v)) exactly for |v| < 2**23 (see tests);

@@ -85,6 +85,22 @@ class SafetensorsFile:
                              offset=entry.offset)
         return flat.reshape(entry.shape)
 
+    def release(self, name: str, start: int, end: int) -> None:
+        """Drop bytes [start, end) of tensor ``name`` from this process's resident memory.
+
+        The page cache keeps them and a later read maps them back in; this only keeps RSS
+        bounded while a converter streams a model much larger than a page through the mmap."""
+        entry = self.entries.get(name)
+        if entry is None or self._mmap is None or end <= start:
+            return
+        lo = entry.offset + start
+        lo -= lo % mmap.PAGESIZE
+        hi = min(entry.offset + end, len(self._mmap))
+        try:
+            self._mmap.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+        except (AttributeError, OSError, ValueError):
+            pass  # a memory-footprint optimisation only
+
     def close(self) -> None:
         """Release the mapping; views already handed out keep it alive until they are freed."""
         self._closed = True

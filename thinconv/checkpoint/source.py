@@ -69,6 +69,12 @@ class Checkpoint:
             raise CheckpointError(f"{self.root}: no tensor {name!r} in the checkpoint")
         return shard.array(name)
 
+    def release(self, name: str, start: int, end: int) -> None:
+        """Drop bytes [start, end) of tensor ``name`` from resident memory (see SafetensorsFile.release)."""
+        shard = self._owner.get(name)
+        if shard is not None:
+            shard.release(name, start, end)
+
     def asset_files(self) -> list[SourceFile]:
         """The files copied verbatim into the archive, in spec order, among those present."""
         by_name = {f.name: f for f in self.files}

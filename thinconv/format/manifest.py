@@ -208,7 +208,7 @@ def _check_model(c: _Checker, m: Any) -> bool:
         c.num(att.get("scale"), f"{ap}.scale", positive=True)
         types = att.get("layer_types")
         if c.list(types, f"{ap}.layer_types"):
-            if _is_int(m.get("num_layers")) and len(types) != m["num_layers"]:
+            if _is_int(m.get("num_layers")) and m["num_layers"] >= 1 and len(types) != m["num_layers"]:
                 c.r.add(f"{ap}.layer_types", f"has {len(types)} entries, expected num_layers = {m['num_layers']}")
             for i, t in enumerate(types):
                 if c.str(t, f"{ap}.layer_types[{i}]", ("full", "sliding")) and t == "sliding" and window_ok \
@@ -227,17 +227,20 @@ def _check_model(c: _Checker, m: Any) -> bool:
             if rd % 2:
                 c.r.add(f"{rp}.rotary_dim", f"must be even, got {rd}")
                 ok = False
-            if _is_int(m.get("head_dim")) and rd > m["head_dim"]:
+            if _is_int(m.get("head_dim")) and m["head_dim"] >= 1 and rd > m["head_dim"]:
                 c.r.add(f"{rp}.rotary_dim", f"{rd} exceeds head_dim {m['head_dim']}")
                 ok = False
         else:
             ok = False
         sc = rope.get("scaling")
-        if sc is not None:
+        if "scaling" not in rope:
+            ok = False  # reported missing above; which tensors exist (rope_freqs) depends on it
+        elif sc is not None:
             if c.obj(sc, f"{rp}.scaling"):
                 if c.str(sc.get("type"), f"{rp}.scaling.type"):
                     if sc["type"] == "default":
                         c.r.add(f"{rp}.scaling.type", "'default' scaling must be written as scaling: null")
+                        ok = False  # which tensors exist (rope_freqs) cannot be told from it
                 else:
                     ok = False
                 for k in ("rope_theta", "rope_type"):
@@ -265,6 +268,7 @@ def _check_tensor(c: _Checker, t: Any, path: str, model: dict | None) -> None:
     if not c.obj(t, path, keys):
         return
     name = t.get("name")
+    role = None  # the role the name implies: the one the shape is checked against
     if c.str(name, f"{path}.name"):
         role, layer = spec.split_name(name)
         if t.get("role") != role:
@@ -282,7 +286,7 @@ def _check_tensor(c: _Checker, t: Any, path: str, model: dict | None) -> None:
         if name == "rope_freqs" and src:
             c.r.add(f"{path}.source", "rope_freqs is derived: expected []")
     shape = t.get("shape")
-    shape_ok = c.list(shape, f"{path}.shape") and 1 <= len(shape) <= 2 and all(_is_int(d) and d >= 1 for d in shape)
+    shape_ok = c.list(shape, f"{path}.shape") and _shape_ok(shape)
     if isinstance(shape, list) and not shape_ok:
         c.r.add(f"{path}.shape", f"expected 1 or 2 positive integers, got {_short(shape)}")
     dtype = t.get("dtype")
@@ -292,8 +296,8 @@ def _check_tensor(c: _Checker, t: Any, path: str, model: dict | None) -> None:
             c.r.add(f"{path}.dtype", f"1-D tensors are f32, got {dtype!r}")
         if dtype in spec.BLOCK_DTYPES and shape[-1] % spec.BLOCK_SIZE:
             c.r.add(f"{path}.dtype", f"{dtype} needs cols % 32 == 0, got {shape[-1]} cols")
-        if model is not None and isinstance(name, str) and t.get("role") in spec.ROLES:
-            want = spec.expected_shape(model, t["role"])
+        if model is not None and role in spec.ROLES:
+            want = spec.expected_shape(model, role)
             if shape != want:
                 c.r.add(f"{path}.shape", f"expected {want} from model dimensions, got {shape}")
     quant = t.get("quant")
@@ -318,6 +322,10 @@ def _check_tensor(c: _Checker, t: Any, path: str, model: dict | None) -> None:
                 c.eq(pid, f"{path}.pages[{k}]", spec.page_id(name, k))
         if shape_ok and len(shape) == 1 and len(pages) > 1:
             c.r.add(f"{path}.pages", f"1-D tensors are one page, got {len(pages)}")
+
+
+def _shape_ok(shape: Any) -> bool:
+    return isinstance(shape, list) and 1 <= len(shape) <= 2 and all(_is_int(d) and d >= 1 for d in shape)
 
 
 def _check_asset(c: _Checker, a: Any, path: str) -> None:
@@ -413,11 +421,13 @@ def _check_tensor_page(c: _Checker, pg: dict, path: str, t: dict, row_cursor: di
     expected_start = row_cursor.get(name, 0)
     if start != expected_start or end <= start:
         c.r.add(f"{path}.rows", f"expected rows starting at {expected_start} with end > start, got {rows}")
+        if end > start:
+            row_cursor[name] = end  # resync, so one gap or overlap is one error, not one per later page
         return
     row_cursor[name] = end
     shape, dtype = t.get("shape"), t.get("dtype")
-    if not (isinstance(shape, list) and shape and all(_is_int(d) for d in shape)) or dtype not in (
-            *spec.FLOAT_DTYPES, *spec.BLOCK_DTYPES):
+    # An invalid shape or dtype is reported with the tensor; sizes cannot be derived from it.
+    if not _shape_ok(shape) or dtype not in (*spec.FLOAT_DTYPES, *spec.BLOCK_DTYPES):
         return
     if end > shape[0]:
         c.r.add(f"{path}.rows", f"end {end} is past dim 0 = {shape[0]} of {name!r}")
