@@ -131,18 +131,27 @@ def _build(kind: str):
     raise KeyError(kind)
 
 
-def load_safetensors_folder(folder: Path) -> dict[str, np.ndarray]:
-    """Every tensor of every *.safetensors file in `folder`, via the safetensors package (not thinconv)."""
+def load_safetensors_file(path: Path) -> dict[str, np.ndarray]:
+    """One file's tensors in data-offset order, via the safetensors package (not thinconv)."""
     import torch
     from safetensors.torch import load_file
 
+    with open(path, "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    header.pop("__metadata__", None)
+    tensors = load_file(path)
+    out = {}
+    for name in sorted(header, key=lambda k: header[k]["data_offsets"][0]):
+        t = tensors[name]
+        out[name] = t.view(torch.int16).numpy().view(ml_dtypes.bfloat16) if t.dtype == torch.bfloat16 else t.numpy()
+    return out
+
+
+def load_safetensors_folder(folder: Path) -> dict[str, np.ndarray]:
+    """Every tensor of every *.safetensors file in `folder`."""
     out = {}
     for f in sorted(folder.glob("*.safetensors")):
-        for name, t in load_file(f).items():
-            if t.dtype == torch.bfloat16:
-                out[name] = t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-            else:
-                out[name] = t.numpy()
+        out.update(load_safetensors_file(f))
     return out
 
 
@@ -233,6 +242,18 @@ def expected_names(model: dict) -> list[str]:
     if not model["tie_word_embeddings"]:
         names.append("output.weight")
     return names
+
+
+def interleave_reference(a: np.ndarray, head_dim: int, rotary_dim: int) -> np.ndarray:
+    """Spec §2.1, literally: within each head, new row 2i = old row i, new row 2i+1 = old row i + rotary_dim/2."""
+    out = a.copy()
+    half = rotary_dim // 2
+    for h in range(a.shape[0] // head_dim):
+        base = h * head_dim
+        for i in range(half):
+            out[base + 2 * i] = a[base + i]
+            out[base + 2 * i + 1] = a[base + i + half]
+    return out
 
 
 def run_cli(*args: str, env: dict | None = None, preexec_fn=None, timeout: float = 120) -> subprocess.CompletedProcess:

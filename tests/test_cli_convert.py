@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from conftest import Thin, assert_one_line_error, expected_names, hf_source_name, leftovers, run_cli
+from conftest import Thin, assert_one_line_error, expected_names, hf_source_name, leftovers, run_cli, \
+    write_safetensors
 from thinconv import cli
 from thinconv.checkpoint.safetensors import SafetensorsFile
 from thinconv.checkpoint.source import Checkpoint
@@ -173,3 +174,18 @@ def test_quantized_conversion_reads_back(app, ckpts, tmp_path):
     assert np.abs(w - src).max() <= np.abs(src).max() / 127
     q = thin.manifest["validation"]["quant"]["blk.0.ffn_up.weight"]
     assert q["max_abs_err"] == pytest.approx(float(np.abs(w - src).max()), rel=1e-6)
+
+
+def test_dry_run_of_tied_checkpoint_with_head_reads_no_data(app, llama_copy, tmp_path, request):
+    """A tied model that ships lm_head.weight: comparing it with the embeddings reads data, so the
+    plan leaves that to the conversion (test_convert_errors checks a differing head is refused)."""
+    cfg = json.loads((llama_copy.path / "config.json").read_text())
+    cfg["tie_word_embeddings"] = True
+    (llama_copy.path / "config.json").write_text(json.dumps(cfg))
+    t = dict(llama_copy.tensors)
+    t["lm_head.weight"] = t["model.embed_tokens.weight"].copy()
+    write_safetensors(llama_copy.path / "model.safetensors", t)
+    request.getfixturevalue("no_tensor_reads")
+    r = runner.invoke(app, ["convert", str(llama_copy.path), str(tmp_path / "o.thin"), "--dry-run", "--json"])
+    assert r.exit_code == 0, repr(r.exception)
+    assert "lm_head.weight" in json.loads(r.stdout)["ignored"]

@@ -3,17 +3,18 @@ source tensors, the config they were built from, transformers' own RoPE table an
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import pytest
 from typer.testing import CliRunner
 
 import thinconv
-from conftest import ASSET_ORDER, KINDS, TOKENIZER_FILES, Ckpt, Thin, expected_names, hf_source_name
+from conftest import ASSET_ORDER, KINDS, TOKENIZER_FILES, Ckpt, Thin, expected_names, hf_source_name, \
+    interleave_reference
 from thinconv.checkpoint import open_checkpoint
 from thinconv.cli import app
 from thinconv.convert import ConvertResult, convert
@@ -56,18 +57,6 @@ def interleaved(ckpts, tmp_path_factory) -> dict[str, Thin]:
                                    "--no-probe"])
         assert r.exit_code == 0, r.output
         out[kind] = Thin.read(path)
-    return out
-
-
-def interleave_reference(a: np.ndarray, head_dim: int, rotary_dim: int) -> np.ndarray:
-    """Spec §2.1, literally: within each head, new row 2i = old row i, new row 2i+1 = old row i + rotary_dim/2."""
-    out = a.copy()
-    half = rotary_dim // 2
-    for h in range(a.shape[0] // head_dim):
-        base = h * head_dim
-        for i in range(half):
-            out[base + 2 * i] = a[base + i]
-            out[base + 2 * i + 1] = a[base + i + half]
     return out
 
 
@@ -357,3 +346,76 @@ def test_dtype_f32_upcasts_exactly(ckpts, tmp_path):
         if t["name"] != "rope_freqs":
             assert np.array_equal(thin.array(t["name"]), c.tensors[hf_source_name(t["name"])].astype(np.float32))
 
+
+
+# ---------------------------------------------------------------- other RoPE scalings, against transformers
+
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "linear", "factor": 4.0},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    {"rope_type": "yarn", "factor": 2.0, "beta_fast": 16.0, "beta_slow": 2.0, "attention_factor": 1.25},
+    {"rope_type": "dynamic", "factor": 2.0},
+])
+def test_rope_scalings_match_transformers(llama_copy: Ckpt, tmp_path, scaling):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg_path = llama_copy.path / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["rope_parameters"] = {"rope_theta": 10000.0, **scaling}
+    cfg_path.write_text(json.dumps(cfg))
+    hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(llama_copy.path))
+    rotary = hf.model.rotary_emb
+    res = convert_api(llama_copy.path, tmp_path / "r.thin")
+    thin = Thin.read(res.path)
+    rope = thin.manifest["model"]["rope"]
+    assert rope["scaling"]["type"] == scaling["rope_type"]
+    assert rope["attention_factor"] == pytest.approx(float(rotary.attention_scaling), rel=1e-6)
+    names = [t["name"] for t in thin.manifest["tensors"]]
+    if scaling["rope_type"] == "dynamic":
+        assert "rope_freqs" not in names and names == expected_names(thin.manifest["model"])
+        return
+    want = rotary.inv_freq.to(torch.float64).numpy()
+    got = thin.array("rope_freqs").astype(np.float64)
+    assert np.max(np.abs(got - want) / want) <= 1e-6
+
+
+def test_llama_attention_bias(tmp_path):
+    """LlamaConfig.attention_bias puts biases on q, k, v *and* o: attn_output.bias exists."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(3)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=64, max_position_embeddings=64, attention_bias=True)
+    hf = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_()
+    hf.save_pretrained(tmp_path / "src")
+    res = convert_api(tmp_path / "src", tmp_path / "b.thin", rope_layout="interleaved")
+    thin = Thin.read(res.path)
+    att = thin.manifest["model"]["attention"]
+    assert att["qkv_bias"] is True and att["o_bias"] is True
+    names = [t["name"] for t in thin.manifest["tensors"]]
+    assert names == expected_names(thin.manifest["model"]) and "blk.1.attn_output.bias" in names
+    sd = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
+    assert np.array_equal(thin.array("blk.1.attn_output.bias"), sd["model.layers.1.self_attn.o_proj.bias"])
+    assert np.array_equal(thin.array("blk.0.attn_v.bias"), sd["model.layers.0.self_attn.v_proj.bias"])
+    assert np.array_equal(thin.array("blk.0.attn_k.bias"),
+                          interleave_reference(sd["model.layers.0.self_attn.k_proj.bias"], 8, 8))
+
+
+def test_dtype_bf16_from_f32_rounds_like_ml_dtypes(ckpts, tmp_path):
+    c = ckpts["qwen3"]
+    res = convert_api(c.path, tmp_path / "b.thin", dtype="bf16")
+    thin = Thin.read(res.path)
+    for t in thin.manifest["tensors"]:
+        src = c.tensors.get(hf_source_name(t["name"])) if t["name"] != "rope_freqs" else None
+        if src is None:
+            continue
+        if src.ndim == 2:
+            assert t["dtype"] == "bf16"
+            assert thin.raw(t["name"]) == src.astype(ml_dtypes.bfloat16).tobytes()
+        else:
+            assert t["dtype"] == "f32" and np.array_equal(thin.array(t["name"]), src)

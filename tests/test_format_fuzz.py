@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import struct
 import tempfile
 import tracemalloc
@@ -21,7 +22,8 @@ BUF, MANIFEST, _, _ = base_archive(page_size=128)
 PARTS = parse(BUF)
 SIZE = len(BUF)
 DATA_OFF = PARTS.header["data_off"]
-TMP = Path(tempfile.mkdtemp(prefix="thin-fuzz-"))
+_TMPDIR = tempfile.TemporaryDirectory(prefix="thin-fuzz-")  # removed when the interpreter exits
+TMP = Path(_TMPDIR.name)
 PEAK_LIMIT = 2 * 1024 * 1024  # the archive is ~60 KiB; nothing may allocate by what a field claims
 
 # (offset, struct format) of every integer field: header, then each record's id_len/offset/stored/raw/flags.
@@ -33,7 +35,9 @@ for k, r in enumerate(PARTS.recs):
     tail = at + 2 + len(r.id)
     FIELDS += [(at, "<H"), (tail, "<Q"), (tail + 8, "<Q"), (tail + 16, "<Q"), (tail + 24, "<I")]
 
-SETTINGS = settings(max_examples=200, deadline=1000, derandomize=True, database=None,
+# THIN_FUZZ_EXAMPLES=5000 explores further with random seeds; by default runs are short and repeatable.
+_DEEP = int(os.environ.get("THIN_FUZZ_EXAMPLES", "0"))
+SETTINGS = settings(max_examples=_DEEP or 150, deadline=1000, derandomize=not _DEEP, database=None,
                     suppress_health_check=[HealthCheck.too_slow])
 
 

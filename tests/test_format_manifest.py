@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from factory import make_archive_inputs, tiny_model
-from test_format_layout import Rec, assemble, canonical, from_inputs, with_manifest, write
+from test_format_layout import canonical, from_inputs, with_manifest, write
 from thinconv.errors import PackError, ThinFormatError
 from thinconv.format import open_archive, pack, validate_manifest
 from thinconv.format.manifest import ValidationReport

@@ -79,6 +79,11 @@ def model_f32_bytes(model: dict) -> int:
 
 def conversion_probe(ckpt, plan) -> tuple[dict | None, str | None]:
     """The probe for `plan`, computed from the source weights; (None, reason) when skipped."""
+    from thinconv.rope import DYNAMIC_SCALING_TYPES
+
+    kind = (plan.model["rope"]["scaling"] or {}).get("type")
+    if kind in DYNAMIC_SCALING_TYPES:  # the reference decoder needs a static rope_freqs table
+        return None, f"probe skipped: the reference decoder does not implement {kind!r} RoPE scaling"
     need = model_f32_bytes(plan.model)
     if need > PROBE_MAX_F32_BYTES:
         return None, (f"probe skipped: the reference decoder would need {need / 1024**3:.1f} GiB of float32 weights "
@@ -87,7 +92,8 @@ def conversion_probe(ckpt, plan) -> tuple[dict | None, str | None]:
     for t in plan.tensors:
         if len(t.shape) == 2:
             counts[t.source_dtype] = counts.get(t.source_dtype, 0) + 1
-    probe = make_probe(SourceProvider(ckpt, plan))
+    with np.errstate(all="ignore"):  # non-finite weights are reported by the conversion itself
+        probe = make_probe(SourceProvider(ckpt, plan))
     if not all(math.isfinite(v) for pos in probe["positions"] for v in pos["logits"]):
         return None, "probe skipped: the source weights give non-finite logits (see the NaN/Inf warnings)"
     probe["source_dtype"] = max(sorted(counts), key=counts.get)
@@ -163,7 +169,7 @@ def compare_logits(reference: np.ndarray, test: np.ndarray) -> list[PositionResu
 def compare_probe(probe: dict, test: np.ndarray) -> list[PositionResult]:
     """Against a stored probe: differences over its top-k ids; KL over the top-k renormalized."""
     out = []
-    for i, pos in enumerate(probe["positions"]):
+    for i, pos in enumerate(probe["positions"][: len(test)]):
         ids = np.array(pos["ids"])
         r = np.array(pos["logits"], np.float64)
         t = test[i][ids].astype(np.float64)
@@ -220,8 +226,9 @@ def judge(result: CheckResult, strict_q4: bool = False) -> CheckResult:
     return result
 
 
-def transformers_logits(source_root, tokens: list[int]) -> np.ndarray:
-    """The source model's logits under transformers (float32, CPU, eager attention)."""
+def transformers_logits(source_root, tokens: list[int], vocab: int | None = None) -> np.ndarray:
+    """The source model's logits under transformers (float32, CPU, eager attention); `vocab`, when
+    given, is the archive's vocabulary size, which the source must share."""
     try:
         import torch
         from transformers import AutoModelForCausalLM
@@ -233,6 +240,11 @@ def transformers_logits(source_root, tokens: list[int]) -> np.ndarray:
     hf_logging.set_verbosity_error()
     model = AutoModelForCausalLM.from_pretrained(str(source_root), dtype=torch.float32, attn_implementation="eager")
     model.eval()
+    # Another model's checkpoint would fail deep inside torch (ids out of range) or in the comparison.
+    rows = model.get_input_embeddings().num_embeddings
+    if vocab is not None and rows != vocab:
+        raise ConversionError(f"{source_root}: the source has {rows} token embeddings but the archive's vocab_size is "
+                              f"{vocab}; is --against the archive's source?")
     with torch.no_grad():
         out = model(torch.tensor([tokens]), use_cache=False).logits[0]
     return out.float().numpy()
@@ -268,6 +280,16 @@ def run_check(archive: Archive, tokens: list[int], against: Any | None = None, s
     or with the archive's own probe when `against` is None."""
     from thinconv.decoder import Decoder
 
+    if not tokens:  # e.g. a --prompt that its tokenizer encodes to nothing
+        raise UsageError("no tokens to compare: give a --prompt that encodes to at least one token, or --tokens")
+    probe = archive.manifest["validation"].get("probe")
+    if against is None:  # usage errors first, before the (slow) decode
+        if not probe:
+            raise UsageError(f"{archive.path.name} has no validation.probe (converted with --no-probe?); "
+                             "use --against SRC")
+        if not tokens or tokens != probe["tokens"][:len(tokens)]:
+            raise UsageError("comparing against the probe uses the probe's own tokens; drop --prompt/--tokens or "
+                             "use --against SRC")
     logits = Decoder(ArchiveProvider(archive)).logits_for(tokens)
     if against is not None:
         source_dtypes = {}
@@ -276,15 +298,8 @@ def run_check(archive: Archive, tokens: list[int], against: Any | None = None, s
         for t in archive.manifest["tensors"]:
             if t["source"] and all(s in against.tensors for s in t["source"]):
                 source_dtypes[t["name"]] = SOURCE_DTYPES.get(against.tensors[t["source"][0]].dtype, "?")
-        reference = transformers_logits(against.root, tokens)
+        reference = transformers_logits(against.root, tokens, archive.model["vocab_size"])
         result = CheckResult(dtype_class(archive, source_dtypes), "transformers", compare_logits(reference, logits))
     else:
-        probe = archive.manifest["validation"].get("probe")
-        if not probe:
-            raise UsageError(f"{archive.path.name} has no validation.probe (converted with --no-probe?); "
-                             "use --against SRC")
-        if tokens != probe["tokens"]:
-            raise UsageError("comparing against the probe uses the probe's own tokens; drop --prompt/--tokens or "
-                             "use --against SRC")
         result = CheckResult(dtype_class(archive, None), "probe", compare_probe(probe, logits))
     return judge(result, strict_q4)

@@ -14,6 +14,7 @@ from typing import Iterator, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
                            TransferSpeedColumn)
 from rich.table import Table
@@ -22,12 +23,13 @@ from thinconv.errors import ThinError, UsageError
 
 app = typer.Typer(help="Convert Hugging Face checkpoints into .thin archives, and inspect or verify them.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
-out = Console()
-err = Console(stderr=True)
+# soft_wrap: long lines stay whole (paths, hashes) when output goes to a file or a narrow terminal
+out = Console(soft_wrap=True)
+err = Console(stderr=True, soft_wrap=True)
 
 
 def fail(message: str, code: int = 1) -> None:
-    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
@@ -46,7 +48,7 @@ def reported() -> Iterator[None]:
 
 def byte_progress(description: str, total: int, enabled: bool = True) -> Progress:
     return Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                    TimeRemainingColumn(), console=err, transient=True, disable=not enabled)
+                    TimeRemainingColumn(), console=err, transient=True, disable=not enabled or not err.is_terminal)
 
 
 def human(n: int) -> str:
@@ -77,26 +79,26 @@ def inspect(archive: Path = typer.Argument(..., help="A .thin archive."),
         print_json(s)
         return
     m = s["model"]
-    out.print(f"[bold]{s['path']}[/]  {human(s['file_size'])}, {s['page_count']} pages, THIN v{s['format_version']}")
-    out.print(f"archive hash  {s['archive_hash']}")
+    out.print(f"[bold]{escape(s['path'])}[/]  {human(s['file_size'])}, {s['page_count']} pages, THIN v{s['format_version']}")
+    out.print(f"archive hash  {s['archive_hash']}", markup=False)
     out.print(f"model         {m['architecture']} ({m['source_architecture']}): {m['num_layers']} layers, hidden "
               f"{m['hidden_size']}, heads {m['num_attention_heads']}/{m['num_kv_heads']} × {m['head_dim']}, "
               f"ffn {m['intermediate_size']}, vocab {m['vocab_size']}, ctx {m['max_position_embeddings']}"
-              f"{', tied head' if m['tie_word_embeddings'] else ''}", highlight=False)
+              f"{', tied head' if m['tie_word_embeddings'] else ''}", highlight=False, markup=False)
     r, a = s["rope"], s["attention"]
     scaling = "none" if r["scaling"] is None else r["scaling"]["type"]
     out.print(f"rope          theta {r['theta']:g}, rotary_dim {r['rotary_dim']}, layout {r['layout']}, scaling "
-              f"{scaling}, attention_factor {r['attention_factor']:g}", highlight=False)
+              f"{scaling}, attention_factor {r['attention_factor']:g}", highlight=False, markup=False)
     out.print(f"attention     qkv_bias {a['qkv_bias']}, o_bias {a['o_bias']}, qk_norm {a['qk_norm']}, "
-              f"sliding_window {a['sliding_window']}, scale {a['scale']:.6g}", highlight=False)
+              f"sliding_window {a['sliding_window']}, scale {a['scale']:.6g}", highlight=False, markup=False)
     st = s["special_tokens"]
-    out.print(f"tokens        bos {st['bos']}, eos {st['eos']}, pad {st['pad']}", highlight=False)
+    out.print(f"tokens        bos {st['bos']}, eos {st['eos']}, pad {st['pad']}", highlight=False, markup=False)
     if s["converter"]:
         c = s["converter"]
         src = s["source"] or {}
         origin = src.get("repo_id") or "local folder"
         out.print(f"converted by  {c['name']} {c['version']} (recipe {c['recipe']}) from {origin}"
-                  f"{' @ ' + src['commit'][:12] if src.get('commit') else ''}", highlight=False)
+                  f"{' @ ' + src['commit'][:12] if src.get('commit') else ''}", highlight=False, markup=False)
     table = Table(title=f"{s['tensor_count']} tensors, {human(s['tensor_bytes'])}", title_justify="left")
     for col in ("role", "dtype", "count", "bytes"):
         table.add_column(col, justify="right" if col in ("count", "bytes") else "left")
@@ -144,10 +146,10 @@ def verify(archive: Path = typer.Argument(..., help="A .thin archive."),
         print_json({"path": str(archive), "ok": not failures, "failures": failures, "bytes_checked": checked})
     elif failures:
         for f in failures:
-            err.print(f"[bold red]FAIL[/] {f}", highlight=False, soft_wrap=True)
-        err.print(f"{archive}: INVALID ({len(failures)} problem{'s' * (len(failures) > 1)})", highlight=False)
+            err.print(f"[bold red]FAIL[/] {escape(f)}", highlight=False, soft_wrap=True)
+        err.print(f"{archive}: INVALID ({len(failures)} problem{'s' * (len(failures) > 1)})", highlight=False, markup=False)
     else:
-        out.print(f"{archive}: OK ({human(checked)} checked)", highlight=False)
+        out.print(f"{archive}: OK ({human(checked)} checked)", highlight=False, markup=False)
     raise typer.Exit(1 if failures else 0)
 
 
@@ -164,7 +166,7 @@ def pack_cmd(staging: Path = typer.Argument(..., help="A folder holding manifest
         task = bar.add_task("packing", total=None)
         result = pack_staging(staging, output, force=force, progress=lambda n: bar.advance(task, n))
     out.print(f"wrote {result.path} ({human(result.size)}, {result.page_count} pages, archive hash "
-              f"{result.archive_hash[:16]}…)", highlight=False)
+              f"{result.archive_hash[:16]}…)", highlight=False, markup=False)
 
 
 @app.command()
@@ -177,7 +179,7 @@ def unpack(archive: Path = typer.Argument(..., help="A .thin archive."),
 
     with reported(), open_archive(archive) as a:
         n = unpack_archive(a, dest, force=force)
-    out.print(f"wrote {dest}/manifest.json and {n} page files", highlight=False)
+    out.print(f"wrote {dest}/manifest.json and {n} page files", highlight=False, markup=False)
 
 
 # ---------------------------------------------------------------- conversion
@@ -266,17 +268,17 @@ def run_conversion(src: str, output: Path, recipe_name: Optional[str], dtype: st
     dtypes: dict[str, int] = {}
     for t in result.manifest["tensors"]:
         dtypes[t["dtype"]] = dtypes.get(t["dtype"], 0) + 1
-    out.print(f"[bold green]wrote[/] {result.path}  {human(result.size)}, {len(result.manifest['tensors'])} tensors "
+    out.print(f"[bold green]wrote[/] {escape(str(result.path))}  {human(result.size)}, {len(result.manifest['tensors'])} tensors "
               f"({', '.join(f'{n} {d}' for d, n in dtypes.items())}), {result.page_count} pages, "
               f"recipe {plan.recipe.name}, {seconds:.1f} s ({human(int(plan.total_bytes / max(seconds, 1e-9)))}/s)",
               highlight=False)
-    out.print(f"archive hash {result.archive_hash}", highlight=False)
+    out.print(f"archive hash {result.archive_hash}", highlight=False, markup=False)
     q = result.quant_overall
     if q:
         out.print(f"quantization: {q['tensors']} tensors, overall rel_rmse {q['rel_rmse']:.4g} "
-                  f"(worst: {q['worst']})", highlight=False)
+                  f"(worst: {q['worst']})", highlight=False, markup=False)
     for w in result.warnings:
-        err.print(f"[yellow]warning:[/] {w}", highlight=False, soft_wrap=True)
+        err.print(f"[yellow]warning:[/] {escape(w)}", highlight=False, soft_wrap=True)
 
 
 def render_plan(plan, as_json: bool) -> None:
@@ -295,7 +297,7 @@ def render_plan(plan, as_json: bool) -> None:
     out.print(table)
     for t in d["tensors"]:
         if "note" in t:
-            out.print(f"* {t['name']}: {t['note']}", highlight=False)
+            out.print(f"* {t['name']}: {t['note']}", highlight=False, markup=False)
     if d["assets"]:
         out.print("assets: " + ", ".join(a["name"] for a in d["assets"]), highlight=False)
     if d["ignored"]:
@@ -351,7 +353,7 @@ def list_recipes(recipes: list[Path] = typer.Option([], "--recipes", help="Extra
         table.add_row(r["name"], ", ".join(r["architectures"]), " → ".join(r["extends"]), r["path"], r["description"])
     out.print(table)
     for note in reg.shadowed:
-        out.print(f"note: {note}", highlight=False)
+        out.print(f"note: {note}", highlight=False, markup=False)
 
 
 @recipe_app.command("check")
@@ -364,18 +366,20 @@ def check_recipe(recipe: str = typer.Argument(..., help="A recipe name, or the p
     import os
 
     from thinconv.checkpoint.source import open_checkpoint
+    from thinconv.errors import RecipeError
     from thinconv.plan import map_checkpoint
     from thinconv.recipe import load_registry
 
     with reported():
-        path = Path(recipe)
         if recipe.endswith(".toml"):
-            if not path.is_file():
-                fail(f"{path}: recipe file not found")
-            registry = load_registry([*recipes, path.parent])
             import tomllib
 
-            name = tomllib.loads(path.read_text(encoding="utf-8")).get("name", "")
+            path = Path(recipe)
+            registry = load_registry(recipes, extra_files=[path])
+            try:
+                name = tomllib.loads(path.read_text(encoding="utf-8")).get("name", "")
+            except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+                raise RecipeError(f"{path}: cannot read ({e})") from None
             chosen = registry.get(name)
         else:
             chosen = load_registry(recipes).get(recipe)
@@ -388,9 +392,9 @@ def check_recipe(recipe: str = typer.Argument(..., help="A recipe name, or the p
         print_json(result)
     else:
         out.print(f"recipe {chosen.name} on {src}: {len(report.mapped)} tensors mapped, {len(report.ignored)} ignored",
-                  highlight=False)
+                  highlight=False, markup=False)
         for p in report.problems:
-            err.print(f"[bold red]problem:[/] {p}", highlight=False, soft_wrap=True)
+            err.print(f"[bold red]problem:[/] {escape(p)}", highlight=False, soft_wrap=True)
         if not report.problems:
             out.print("[green]OK[/]: every source tensor is mapped or ignored, every required tensor is present, "
                       "shapes agree with config.json")
@@ -401,10 +405,9 @@ def _register_recipe_commands(argv: list[str]) -> None:
     """One sub-command per recipe (thinconv llama SRC OUT …), including user recipes named by
     $THINCONV_RECIPES or --recipes on this command line."""
     from thinconv.errors import RecipeError
-    from thinconv.recipe import load_registry
+    from thinconv.recipe import RESERVED_NAMES, load_registry
 
-    static = {"inspect", "verify", "pack", "unpack", "convert", "recipes", "recipe", "check", "run"}
-    if argv and argv[0] in static:
+    if argv and argv[0] in RESERVED_NAMES:
         return  # keep start-up fast: these commands never need the recipe sub-commands
     extra = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--recipes"]
     extra += [a.split("=", 1)[1] for a in argv if a.startswith("--recipes=")]
@@ -450,7 +453,7 @@ def check(archive: Path = typer.Argument(..., help="A .thin archive."),
             ids = a.manifest["validation"]["probe"]["tokens"]
         else:
             ids = default_tokens(a.model, steps)
-        if steps is not None and against is not None:
+        if steps is not None:
             ids = ids[:steps]
         if against is not None:
             from thinconv.checkpoint.source import open_checkpoint
@@ -471,15 +474,15 @@ def check(archive: Path = typer.Argument(..., help="A .thin archive."),
     out.print(table)
     s = result.summary()
     out.print(f"overall: max |Δlogit| {s['max_abs_diff']:.3g} (rel {s['max_rel_diff']:.3g}), top-1 "
-              f"{100 * s['top1_agreement']:.1f} %, mean KL {s['mean_kl']:.3g}, max KL {s['max_kl']:.3g}", highlight=False)
+              f"{100 * s['top1_agreement']:.1f} %, mean KL {s['mean_kl']:.3g}, max KL {s['max_kl']:.3g}", highlight=False, markup=False)
     if not result.thresholds:
-        out.print(f"{result.dtype_class}: reported only (use --strict to apply a bound)")
+        out.print(f"{result.dtype_class}: reported only (use --strict to apply a bound)", markup=False)
     elif result.ok:
         out.print(f"[bold green]PASS[/] within the {result.dtype_class} bounds "
                   f"({', '.join(f'{k} {v:g}' for k, v in result.thresholds.items())})")
     else:
         for f in result.failures:
-            err.print(f"[bold red]FAIL[/] {f}", highlight=False)
+            err.print(f"[bold red]FAIL[/] {escape(f)}", highlight=False)
     raise typer.Exit(0 if result.ok else 1)
 
 
@@ -500,14 +503,21 @@ def run(archive: Path = typer.Argument(..., help="A .thin archive."),
         decoder = Decoder(ArchiveProvider(a))
         sys.stdout.write(prompt)
         sys.stdout.flush()
-        new: list[int] = []
-        shown = ""
+        # Decode prompt + new tokens together (a tokenizer may attach a space or half a
+        # character to a token's neighbour) and print only what follows the prompt's text;
+        # a trailing U+FFFD is a character still being completed by the next token.
+        shown = len(tok.decode(ids, skip_special_tokens=True))
+        seq = list(ids)
+        text = ""
         for t in decoder.generate(ids, max_new_tokens):
-            new.append(t)
-            text = tok.decode(new, skip_special_tokens=True)
-            sys.stdout.write(text[len(shown):])  # decode the whole tail: multi-byte tokens complete later
+            seq.append(t)
+            text = tok.decode(seq, skip_special_tokens=True)
+            if text.endswith("\ufffd"):
+                continue
+            sys.stdout.write(text[shown:])
             sys.stdout.flush()
-            shown = text
+            shown = len(text)
+        sys.stdout.write(text[shown:])
         sys.stdout.write("\n")
 
 

@@ -26,7 +26,7 @@ from thinconv.checkpoint.source import Checkpoint
 from thinconv.errors import ConversionError, PackError
 from thinconv.format import spec
 from thinconv.format.writer import FilePage, LazyPage, PackResult, pack
-from thinconv.plan import Plan, TensorPlan
+from thinconv.plan import Plan, TensorPlan, tied_head_problem
 from thinconv.rope import rope_inv_freq
 from thinconv.transforms import get_transform
 
@@ -119,10 +119,16 @@ class TensorSource:
 
     def rows(self, start: int, end: int) -> np.ndarray:
         if self.perm is None:
-            out = self._range(start, end)
-        else:
-            idx = self.perm[start:end]
-            out = np.concatenate([self._range(i, i + 1) for i in idx]) if len(self.arrays) > 1 else self.arrays[0][idx]
+            return self._transformed(start, end)
+        # The permutation moves rows only within a head, so the source span [lo, hi) is at most a
+        # head wider than the page. The transform sees it in source order with its source row
+        # numbers (as documented); the permutation applies to its result, as to any source.
+        idx = self.perm[start:end]
+        lo, hi = int(idx.min()), int(idx.max()) + 1
+        return self._transformed(lo, hi)[idx - lo]
+
+    def _transformed(self, start: int, end: int) -> np.ndarray:
+        out = self._range(start, end)
         if self.transform is not None:
             out = self.transform(out, name=self.tp.name, start=start, end=end, model=self.model)
             if out.shape[0] != end - start or list(out.shape[1:]) != self.tp.shape[1:]:
@@ -292,6 +298,9 @@ def convert(ckpt: Checkpoint, plan: Plan, out: str | os.PathLike, *, force: bool
         raise PackError(f"output folder {folder} does not exist")
     if not os.access(folder, os.W_OK):
         raise PackError(f"output folder {folder} is not writable")
+    tied = tied_head_problem(ckpt, plan.mapping)  # the one value check planning leaves to conversion
+    if tied:
+        raise ConversionError(f"{ckpt.root}: {tied}")
     maker = PageMaker(ckpt, plan)
     pages: list[dict] = []
     tensors: list[dict] = []

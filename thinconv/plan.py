@@ -154,8 +154,12 @@ class Plan:
         }
 
 
-def map_checkpoint(ckpt: Checkpoint, recipe: Recipe, rope_layout: str = "half") -> MappingReport:
-    """Map every source tensor through the recipe and check names, flags, shapes and dtypes."""
+def map_checkpoint(ckpt: Checkpoint, recipe: Recipe, rope_layout: str = "half", *,
+                   compare_tied_head: bool = True) -> MappingReport:
+    """Map every source tensor through the recipe and check names, flags, shapes and dtypes.
+
+    `compare_tied_head` also compares a head shipped by a tied model with the embeddings, which
+    reads both tensors; planning leaves that to `convert` (see `tied_head_problem`)."""
     model = read_model_metadata(ckpt.config, ckpt.generation_config, architecture=recipe.name,
                                 rules=recipe.metadata, rope_layout=rope_layout)
     report = MappingReport(model)
@@ -195,8 +199,10 @@ def map_checkpoint(ckpt: Checkpoint, recipe: Recipe, rope_layout: str = "half") 
                               f"{canonical} (the recipe has no rule for role {spec.split_name(canonical)[0]})")
     for canonical, sources in report.mapped.items():
         _check_shape_and_dtype(ckpt, model, canonical, sources, report)
-    if report.tied_duplicate:
-        _check_tied_head(ckpt, report)
+    if compare_tied_head:
+        problem = tied_head_problem(ckpt, report)
+        if problem:
+            report.unexpected.append(problem)
     return report
 
 
@@ -244,23 +250,25 @@ def _check_shape_and_dtype(ckpt: Checkpoint, model: dict, canonical: str, source
                                    f"expected one float dtype ({', '.join(SOURCE_DTYPES)})")
 
 
-def _check_tied_head(ckpt: Checkpoint, report: MappingReport) -> None:
-    """A tied model may still ship lm_head.weight; it must then equal the embeddings."""
+def tied_head_problem(ckpt: Checkpoint, report: MappingReport) -> str | None:
+    """A tied model may still ship lm_head.weight; it must then equal the embeddings (reads both)."""
     head = report.tied_duplicate
     embd_sources = report.mapped.get("token_embd.weight")
-    if not embd_sources or len(embd_sources) != 1:
-        return
+    if not head or not embd_sources or len(embd_sources) != 1:
+        return None
     a, b = ckpt.array(head), ckpt.array(embd_sources[0])
     same = a.shape == b.shape and a.dtype == b.dtype and all(
         (a[s:s + 4096].view("u1") == b[s:s + 4096].view("u1")).all() for s in range(0, a.shape[0], 4096))
-    if not same:
-        report.unexpected.append(f"config.json ties the output head to the embeddings (tie_word_embeddings), but "
-                                 f"{head} differs from {embd_sources[0]}")
+    if same:
+        return None
+    return (f"config.json ties the output head to the embeddings (tie_word_embeddings), but "
+            f"{head} differs from {embd_sources[0]}")
 
 
 def plan_conversion(ckpt: Checkpoint, recipe: Recipe, options: ConvertOptions) -> Plan:
-    """Every output tensor with its dtype and pages, or a ConversionError naming what does not fit."""
-    report = map_checkpoint(ckpt, recipe, options.rope_layout)
+    """Every output tensor with its dtype and pages, or a ConversionError naming what does not fit.
+    Reads no tensor data (nor does `--dry-run`): the tied-head comparison is left to `convert`."""
+    report = map_checkpoint(ckpt, recipe, options.rope_layout, compare_tied_head=False)
     if report.problems:
         raise ConversionError(f"{ckpt.root}: " + "; ".join(report.problems))
     model = report.model

@@ -25,9 +25,13 @@ from thinconv.format import spec
 from thinconv.modelmeta import MetadataRules
 
 LAYER = "{L}"
+# Each recipe becomes a sub-command, so it cannot take a built-in command's name.
+RESERVED_NAMES = frozenset({"inspect", "verify", "pack", "unpack", "convert", "recipes", "recipe", "check", "run"})
 _LAYER_RE = r"(0|[1-9][0-9]*)"
 _RECIPE_KEYS = {"name", "description", "extends", "architectures", "tensors", "ignore", "metadata",
                 "quantizable", "keep", "transforms"}
+# Tables that `extends` merges key by key (docs/adding-an-architecture.md); other keys replace.
+_TABLE_KEYS = ("tensors", "metadata", "keep", "transforms")
 _MATRIX_ROLES = tuple(r for r in spec.ROLES if r.endswith(".weight") and not r.endswith("norm.weight"))
 
 
@@ -110,7 +114,7 @@ def _merge(base: dict, child: dict) -> dict:
     """`extends`: tables merge key by key (a tensor mapped to "" is removed); lists and scalars replace."""
     out = dict(base)
     for key, value in child.items():
-        if key in ("tensors", "metadata") and isinstance(value, dict) and isinstance(base.get(key), dict):
+        if key in _TABLE_KEYS and isinstance(value, dict) and isinstance(base.get(key), dict):
             merged = {**base[key], **value}
             out[key] = {k: v for k, v in merged.items() if v != ""}
         elif key == "ignore" and isinstance(value, list) and isinstance(base.get(key), list):
@@ -222,8 +226,9 @@ def recipe_dirs(extra: Iterable[str | os.PathLike] = ()) -> list[Path]:
     return dirs
 
 
-def load_registry(extra_dirs: Iterable[str | os.PathLike] = ()) -> Registry:
-    """Load built-in recipes, then user folders; resolve `extends`; validate each recipe."""
+def load_registry(extra_dirs: Iterable[str | os.PathLike] = (), extra_files: Iterable[str | os.PathLike] = ()) -> Registry:
+    """Load built-in recipes, then user folders, then single recipe files (highest priority);
+    resolve `extends`; validate each recipe."""
     raw: dict[str, tuple[dict, str]] = {}
     shadowed: list[str] = []
     builtin = importlib.resources.files("thinconv.builtin_recipes")
@@ -231,13 +236,20 @@ def load_registry(extra_dirs: Iterable[str | os.PathLike] = ()) -> Registry:
                                       if f.name.endswith(".toml")]
     for d in recipe_dirs(extra_dirs):
         sources += [(f, str(f)) for f in sorted(d.glob("*.toml"))]
+    for f in extra_files:
+        if not Path(f).is_file():
+            raise RecipeError(f"{f}: recipe file not found")
+        sources.append((Path(f), str(f)))
     for f, label in sources:
         data = _read_toml(f, label)
         name = data.get("name")
         if not isinstance(name, str):
             raise RecipeError(f"{label}: name: missing (every recipe has a lowercase name)")
+        if name in RESERVED_NAMES:
+            raise RecipeError(f"{label}: name: {name!r} is a thinconv command; choose another name")
         if name in raw:
             shadowed.append(f"{name}: {label} overrides {raw[name][1]}")
+            del raw[name]  # re-inserted last: a later source also wins on the architectures it claims
         raw[name] = (data, label)
 
     resolved: dict[str, Recipe] = {}

@@ -8,22 +8,33 @@ page checksums, the archive hash and zero padding. Every problem is a ThinFormat
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import blake3
-import ml_dtypes
-import numpy as np
 
 from thinconv.errors import ThinFormatError
 from thinconv.format import spec
 from thinconv.format.manifest import parse_manifest, validate_manifest
 
-NUMPY_DTYPES = {"f32": np.dtype("<f4"), "f16": np.dtype("<f2"), "bf16": np.dtype(ml_dtypes.bfloat16)}
+if TYPE_CHECKING:
+    import numpy as np
+
 VERIFY_CHUNK = 16 * 1024 * 1024
+
+
+@functools.cache
+def numpy_dtypes() -> dict:
+    """numpy dtypes of the float dtypes. numpy and ml_dtypes load on the first tensor read, not at
+    import: `inspect` and `verify` never need them (they are ~0.1 s of start-up)."""
+    import ml_dtypes
+    import numpy as np
+
+    return {"f32": np.dtype("<f4"), "f16": np.dtype("<f2"), "bf16": np.dtype(ml_dtypes.bfloat16)}
 
 
 @dataclass(frozen=True)
@@ -224,6 +235,8 @@ class Archive:
     def tensor_bytes(self, name: str) -> np.ndarray:
         """A tensor's stored bytes as uint8 [rows, row_bytes]: zero-copy when its pages are contiguous
         in the file (thinconv sizes pages so they are), a copy otherwise."""
+        import numpy as np
+
         t = self.tensor_info(name)
         shape = t["shape"]
         rb = spec.row_bytes(t["dtype"], shape[1] if len(shape) == 2 else 1)
@@ -241,8 +254,9 @@ class Archive:
         block-quantized tensors come back as their raw uint8 blocks (see `dequantize`)."""
         t = self.tensor_info(name)
         raw = self.tensor_bytes(name)
-        if t["dtype"] in NUMPY_DTYPES:
-            return raw.view(NUMPY_DTYPES[t["dtype"]]).reshape(t["shape"])
+        dtypes = numpy_dtypes()
+        if t["dtype"] in dtypes:
+            return raw.view(dtypes[t["dtype"]]).reshape(t["shape"])
         return raw
 
     def dequantize(self, name: str, rows: tuple[int, int] | None = None) -> np.ndarray:
@@ -252,9 +266,10 @@ class Archive:
         start, end = rows if rows is not None else (0, t["shape"][0])
         if not 0 <= start <= end <= t["shape"][0]:
             raise ThinFormatError(f"{self._name}: rows {rows} are outside [0, {t['shape'][0]}) of {name!r}")
-        if t["dtype"] in NUMPY_DTYPES:
-            arr = raw.view(NUMPY_DTYPES[t["dtype"]]).reshape(t["shape"])
-            return arr[start:end].astype(np.float32)
+        dtypes = numpy_dtypes()
+        if t["dtype"] in dtypes:
+            arr = raw.view(dtypes[t["dtype"]]).reshape(t["shape"])
+            return arr[start:end].astype(dtypes["f32"])
         from thinconv.quant import dequantize_rows  # only archives with block types need it
 
         return dequantize_rows(raw[start:end], t["dtype"], t["shape"][1])
