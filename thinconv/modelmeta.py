@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from thinconv.errors import ConversionError, RecipeError, UsageError
-from thinconv.rope import rope_attention_factor
 
 _CONFIG = "config.json"
 _GENERATION = "generation_config.json"
@@ -250,7 +249,7 @@ def _rope(config: Mapping[str, Any], *, head_dim: int, max_pos: int, layout: str
         "rotary_dim": rotary_dim,
         "layout": layout,
         "scaling": scaling,
-        "attention_factor": rope_attention_factor(scaling, max_position_embeddings=max_pos),
+        "attention_factor": _attention_factor(scaling, max_pos),
     }
 
 
@@ -387,3 +386,10 @@ def _bool(config: Mapping[str, Any], key: str, default: bool) -> bool:
     if not isinstance(value, bool):
         raise ConversionError(f"{_CONFIG}: field {key!r} must be true or false, got {value!r}")
     return value
+
+
+def _attention_factor(scaling: Any, max_pos: int) -> float:
+    # thinconv.rope needs numpy; importing it here keeps recipe loading (CLI start-up) light.
+    from thinconv.rope import rope_attention_factor
+
+    return rope_attention_factor(scaling, max_position_embeddings=max_pos)

@@ -82,9 +82,14 @@ def unpack(archive: Archive, dest: str | os.PathLike, *, force: bool = False) ->
             path.parent.mkdir(parents=True, exist_ok=True)
             with open(path, "wb") as f:
                 f.write(archive.page_bytes(rec.id))
+        old = None
         if dest.exists():
-            shutil.rmtree(dest)
+            # Move the old folder aside first: until the new one is in place, nothing is lost.
+            old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".old", dir=parent))
+            os.replace(dest, old / "d")
         os.replace(tmp, dest)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, OSError):
