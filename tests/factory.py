@@ -10,6 +10,7 @@ import ml_dtypes
 import numpy as np
 
 from thinconv.format import spec
+from thinconv.rope import rope_inv_freq
 from thinconv.format.writer import split_bytes, split_rows
 
 NP = {"f32": np.float32, "f16": np.float16, "bf16": ml_dtypes.bfloat16}
@@ -42,7 +43,11 @@ def make_archive_inputs(model: dict | None = None, *, dtype: str = "f32", page_s
         role, layer = spec.split_name(name)
         shape = spec.expected_shape(model, role)
         dt = dtype if len(shape) == 2 else "f32"
-        arr = rng.standard_normal(shape).astype(NP[dt])
+        if name == "rope_freqs":  # the real table: `verify` checks it against model.rope
+            arr = rope_inv_freq(model["rope"], head_dim=model["head_dim"],
+                                max_position_embeddings=model["max_position_embeddings"])
+        else:
+            arr = rng.standard_normal(shape).astype(NP[dt])
         arrays[name] = arr
         cols = shape[1] if len(shape) == 2 else 1
         ids = []

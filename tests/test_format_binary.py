@@ -431,3 +431,21 @@ def test_every_single_byte_is_covered(tmp_path):
                 assert not a.verify().ok, pos
         except ThinFormatError:
             pass
+
+
+def test_verify_catches_rope_freqs_that_contradict_theta(tmp_path):
+    """A manifest whose theta says one thing and whose rope_freqs table another is invalid: a
+    runtime computing frequencies from theta would rotate differently from one reading the table."""
+    from factory import make_archive_inputs, tiny_model
+
+    from thinconv.format import open_archive, pack
+
+    manifest, sources, _ = make_archive_inputs(tiny_model())
+    pack(manifest, sources, tmp_path / "ok.thin")
+    with open_archive(tmp_path / "ok.thin") as a:
+        assert a.verify().ok
+    manifest["model"]["rope"]["theta"] = 20000.0  # the table still holds theta = 10000
+    pack(manifest, sources, tmp_path / "bad.thin")
+    with open_archive(tmp_path / "bad.thin") as a:
+        failures = a.verify().failures
+    assert len(failures) == 1 and "rope_freqs" in failures[0] and "theta 20000.0" in failures[0]

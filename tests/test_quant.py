@@ -349,6 +349,28 @@ def test_chunked_never_holds_the_tensor_in_f32():
     assert peak < q.nbytes + 20 * 2**20  # output + two threads' tile scratch (~8.5 MiB each)
 
 
+def _quantize_in_child(x: np.ndarray, conn) -> None:
+    conn.send(quantize_chunked(x, "q8_0", chunk_rows=1)[0].tobytes())
+
+
+def test_worker_pool_survives_fork():
+    import multiprocessing
+
+    x = np.random.default_rng(11).standard_normal((4, 64)).astype(F32)
+    expected = quantize_chunked(x, "q8_0", chunk_rows=1)[0]  # the pool now exists in this process
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_quantize_in_child, args=(x, child))
+    proc.start()
+    try:
+        assert parent.poll(20), "quantize_chunked hung in a forked child"
+        assert parent.recv() == expected.tobytes()
+    finally:
+        proc.join(5)
+        if proc.is_alive():
+            proc.kill()
+
+
 # --- API contract -------------------------------------------------------------------------------------
 
 def test_shapes_and_out_parameter():

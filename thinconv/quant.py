@@ -22,6 +22,7 @@ Deliberate choices where ggml's C and gguf-py disagree or C is undefined:
 from __future__ import annotations
 
 import math
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -161,6 +162,16 @@ def _pool(threads: int) -> ThreadPoolExecutor:
         if pool is None:
             pool = _pools[threads] = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="thin-quant")
         return pool
+
+
+def _forget_pools_after_fork() -> None:
+    # A forked child inherits the executors but not their threads: work sent there would hang.
+    global _pools_lock
+    _pools.clear()
+    _pools_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pools_after_fork)
 
 
 def _load_tile(src: np.ndarray, k: int, sc: _Scratch) -> np.ndarray:

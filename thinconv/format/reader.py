@@ -25,6 +25,8 @@ if TYPE_CHECKING:
     import numpy as np
 
 VERIFY_CHUNK = 16 * 1024 * 1024
+# Writers may compute the table in float32 or float64; both agree far inside this bound.
+ROPE_FREQS_TOLERANCE = 1e-5
 
 
 @functools.cache
@@ -304,7 +306,29 @@ class Archive:
                     progress(n)
             if hasher.digest() != rec.checksum:
                 report.failures.append(f"page {rec.id!r} at offset {rec.offset}: checksum mismatch (data corrupted)")
+        if not report.failures:
+            report.failures += self._check_rope_freqs()
         return report
+
+    def _check_rope_freqs(self) -> list[str]:
+        """`rope_freqs` must be the table `model.rope` implies (spec §2.2): a runtime that computes
+        frequencies from theta and one that reads the tensor must rotate alike."""
+        if "rope_freqs" not in self._tensors:
+            return []
+        from thinconv.errors import ThinError
+        from thinconv.rope import rope_inv_freq  # numpy-only RoPE math, shared with the converter
+
+        m = self.model
+        try:
+            want = rope_inv_freq(m["rope"], head_dim=m["head_dim"], max_position_embeddings=m["max_position_embeddings"])
+        except ThinError as e:
+            return [f"model.rope cannot be evaluated: {e}"]
+        got = self.tensor("rope_freqs").astype("f8")
+        rel = float(abs(got - want).max() / abs(want).max())
+        if rel > ROPE_FREQS_TOLERANCE:
+            return [f"tensor 'rope_freqs' differs from the inverse frequencies model.rope implies (theta "
+                    f"{m['rope']['theta']}, scaling {(m['rope']['scaling'] or {}).get('type')}): max relative error {rel:.3g}"]
+        return []
 
     # -- lifetime --
 

@@ -73,6 +73,7 @@ def unpack(archive: Archive, dest: str | os.PathLike, *, force: bool = False) ->
         tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".tmp", dir=parent))
     except OSError as e:
         raise PackError(f"cannot write in {parent}: {e.strerror or e}") from None
+    old = None
     try:
         (tmp / "manifest.json").write_text(json.dumps(archive.manifest, indent=1, sort_keys=True, ensure_ascii=False) + "\n",
                                            encoding="utf-8")
@@ -82,7 +83,6 @@ def unpack(archive: Archive, dest: str | os.PathLike, *, force: bool = False) ->
             path.parent.mkdir(parents=True, exist_ok=True)
             with open(path, "wb") as f:
                 f.write(archive.page_bytes(rec.id))
-        old = None
         if dest.exists():
             # Move the old folder aside first: until the new one is in place, nothing is lost.
             old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".old", dir=parent))
@@ -92,6 +92,10 @@ def unpack(archive: Archive, dest: str | os.PathLike, *, force: bool = False) ->
             shutil.rmtree(old, ignore_errors=True)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and (old / "d").exists() and not dest.exists():
+            os.replace(old / "d", dest)  # put the previous folder back
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
         if isinstance(e, OSError):
             raise PackError(f"unpacking into {dest} failed ({e.strerror or e}); nothing was left behind") from None
         raise
