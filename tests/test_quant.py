@@ -175,9 +175,8 @@ def test_ties_round_like_c(scheme):
     vals = vals.astype(F32)
     vals = np.concatenate([vals, np.nextafter(vals, F32(-np.inf)), np.nextafter(vals, F32(np.inf))])
     vals = np.resize(vals, (len(vals) + 30) // 31 * 31).reshape(-1, 31)
-    lo = np.zeros((vals.shape[0], 1), F32) if scheme == "q4_1" else None
     blocks = np.concatenate([np.full((vals.shape[0], 1), anchor, F32), vals], axis=1)
-    if lo is not None:
+    if scheme == "q4_1":
         blocks[:, 1] = 0.0  # pin min to 0 so d = 1 exactly
     x = blocks.reshape(1, -1)
     got = assert_same_as_gguf(x, scheme)

@@ -235,7 +235,8 @@ class PageMaker:
                                       f"{tp.dtype} cannot represent; convert to a float dtype or fix the checkpoint") from None
             if stats is not None:
                 stats.add(src32)
-                qerr.accumulate(src32, dequantize_rows(out[a:b], tp.dtype, tp.shape[1]))
+                with np.errstate(all="ignore"):  # an overflowing block scale is reported as one error later
+                    qerr.accumulate(src32, dequantize_rows(out[a:b], tp.dtype, tp.shape[1]))
         return PageOutput(_as_bytes(out), stats, qerr)
 
     @staticmethod
@@ -340,6 +341,10 @@ def convert(ckpt: Checkpoint, plan: Plan, out: str | os.PathLike, *, force: bool
             warnings.append(msg)
         if tp.name in errs:
             quant[tp.name] = errs[tp.name].result()
+            if not all(math.isfinite(v) for v in quant[tp.name].values()):
+                raise ConversionError(f"tensor {tp.name} ({', '.join(tp.sources)}): values too large for {tp.dtype} (the f16 "
+                                      f"block scale overflows, largest |x| = {max(abs(st['min']), abs(st['max'])):g}); "
+                                      f"keep it in a float dtype, e.g. --keep '{tp.role}=bf16'")
         elif tp.note:
             quant[tp.name] = {"rmse": None, "max_abs_err": None, "rel_rmse": None, "note": tp.note}
         tensors.append({"name": tp.name, "role": tp.role, "layer": tp.layer, "source": tp.sources, "shape": tp.shape,
