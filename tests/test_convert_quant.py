@@ -318,6 +318,75 @@ def test_recipe_keep_defaults(sources, tmp_path):
     out2 = tmp_path / "r2.thin"
     convert_api(ck.path, out2, recipes=(recipes,), dtype="q4_0", keep=(("ffn_down*", "q4_1"),))
     assert dtypes_of(Thin.read(out2))["blk.0.ffn_down.weight"] == "q4_1"
+    # a float conversion stays unquantized: the recipe's block-type default refines quantization only
+    for dtype in ("auto", "bf16"):
+        out3 = tmp_path / f"r3-{dtype}.thin"
+        convert_api(ck.path, out3, recipes=(recipes,), dtype=dtype)
+        thin = Thin.read(out3)
+        natural = "f32" if dtype == "auto" else dtype
+        d = dtypes_of(thin)
+        assert {v for n, v in d.items() if "attn_v" not in n} <= {natural, "f32"}
+        assert d["blk.0.attn_v.weight"] == d["blk.1.attn_v.weight"] == "f16"  # float defaults still apply
+        assert not thin.manifest["validation"].get("quant")
+
+
+def test_keep_to_a_float_dtype_casts_through_f32(sources, archive):
+    """Tensors kept in floats within a quantized conversion: f16 → bf16 and bf16 → f16 round like
+    the exact route through f32."""
+    _, thin, _ = archive(sources["f16"], "q8_0", keep=(("attn_*", "bf16"),))
+    assert dtypes_of(thin)["blk.0.attn_q.weight"] == "bf16"
+    for r in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_up"):
+        assert_exact(sources["f16"], thin, f"blk.1.{r}.weight")
+    _, thin, _ = archive(sources["bf16"], "q4_0", keep=(("ffn_*", "f16"),))
+    assert dtypes_of(thin)["blk.0.ffn_gate.weight"] == "f16"
+    for r in ("ffn_gate", "ffn_up", "ffn_down", "attn_q"):
+        assert_exact(sources["bf16"], thin, f"blk.0.{r}.weight")
+
+
+@pytest.mark.parametrize("src, dst", [("bf16", "f16"), ("f16", "bf16")])
+def test_direct_float_casts_equal_the_route_through_f32(src, dst):
+    """Every one of the 65,536 bit patterns: numpy/ml_dtypes' direct cast == upcast to f32, then round."""
+    x = np.arange(1 << 16, dtype=np.uint16).view(NP[src])
+    with np.errstate(over="ignore", invalid="ignore"):
+        direct, route = x.astype(NP[dst]), x.astype(np.float32).astype(NP[dst])
+    nan = np.isnan(route.astype(np.float32))
+    assert np.array_equal(np.isnan(direct.astype(np.float32)), nan)
+    assert np.array_equal(direct.view(np.uint16)[~nan], route.view(np.uint16)[~nan])
+
+
+def test_f64_source_is_quantized_from_its_f32_rounding(llama_copy, tmp_path):
+    wide = {k: v.astype(np.float64) / 3 for k, v in llama_copy.tensors.items()}  # not exact in f32
+    write_safetensors(llama_copy.path / "model.safetensors", wide)
+    out = tmp_path / "w.thin"
+    convert_api(llama_copy.path, out, dtype="q8_0")
+    thin = Thin.read(out)
+    t = thin.tensor_entry("blk.0.ffn_up.weight")
+    assert (t["dtype"], t["quant"]) == ("q8_0", quant_obj("q8_0", "f32"))
+    src = wide["model.layers.0.mlp.up_proj.weight"].astype(np.float32)
+    assert thin.raw(t["name"]) == gguf.quants.quantize(src, QTYPE["q8_0"]).tobytes()
+
+
+@pytest.mark.parametrize("value, needles", [
+    (float("nan"), ["NaN or Inf", "q4_0"]),
+    (1e7, ["too large for q4_0", "--keep 'ffn_up.weight=bf16'"]),  # the f16 block scale d overflows
+])
+def test_values_a_block_type_cannot_hold_are_refused(llama_copy, tmp_path, value, needles):
+    t = dict(llama_copy.tensors)
+    w = t["model.layers.1.mlp.up_proj.weight"].copy()
+    w[3, 7] = value
+    t["model.layers.1.mlp.up_proj.weight"] = w
+    write_safetensors(llama_copy.path / "model.safetensors", t)
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    r = runner.invoke(app, ["convert", str(llama_copy.path), str(out_dir / "o.thin"), "--no-probe", "--dtype", "q4_0"])
+    assert r.exit_code == 1, r.output
+    assert_one_line_error(r.stderr, "blk.1.ffn_up.weight", "model.layers.1.mlp.up_proj.weight", *needles)
+    assert leftovers(out_dir) == []
+    # the way out the message suggests
+    r = runner.invoke(app, ["convert", str(llama_copy.path), str(out_dir / "o.thin"), "--no-probe", "--dtype", "q4_0",
+                            "--keep", "ffn_up.weight=bf16"])
+    assert r.exit_code == 0, r.output
+    assert dtypes_of(Thin.read(out_dir / "o.thin"))["blk.1.ffn_up.weight"] == "bf16"
 
 
 # ---------------------------------------------------------------- validation.quant and the error bound

@@ -228,7 +228,7 @@ class PageMaker:
         out = np.empty(src.shape, want)
         for a, b in chunks:
             # A direct cast: for bf16 ↔ f16 it equals the exact route through f32 on all 65,536
-            # inputs (tests/test_convert_quant.py checks); overflow is reported below, not warned.
+            # inputs (tests/test_casts.py checks); overflow is reported below, not warned.
             with np.errstate(over="ignore", invalid="ignore"):
                 out[a:b] = src[a:b]
             if stats:  # pass 1 checks and measures; pass 2 only regenerates the same bytes

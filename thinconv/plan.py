@@ -65,8 +65,11 @@ class TensorPlan:
     def quant(self) -> dict | None:
         if self.dtype not in spec.BLOCK_DTYPES:
             return None
+        # An f64 source reaches the quantizer rounded to f32 (as in any f64 → f32 conversion), and
+        # quant.source_dtype only names dtypes that upcast exactly (spec.SOURCE_DTYPES).
+        source = "f32" if self.source_dtype == "f64" else self.source_dtype
         return {"scheme": self.dtype, "block_size": spec.BLOCK_SIZE, "block_bytes": spec.BLOCK_DTYPES[self.dtype],
-                "source_dtype": self.source_dtype}
+                "source_dtype": source}
 
     @property
     def hints(self) -> dict:
@@ -308,7 +311,10 @@ def _choose_dtype(recipe: Recipe, options: ConvertOptions, model: dict, role: st
             dtype = natural
         elif role == head and dtype in ("q4_0", "q4_1"):
             dtype = "q8_0"  # the output head is the most sensitive tensor
-    for glob, kept in (*recipe.keep, *options.keep):
+    # A recipe's block-type default (e.g. ffn_down = q8_0) refines a quantized conversion; it must
+    # not quantize one the user asked for in floats. The user's own --keep always applies.
+    recipe_keep = [(g, k) for g, k in recipe.keep if options.dtype in spec.BLOCK_DTYPES or k not in spec.BLOCK_DTYPES]
+    for glob, kept in (*recipe_keep, *options.keep):
         if fnmatch.fnmatchcase(role, glob):
             dtype = natural if kept == "auto" else kept
     if dtype in spec.BLOCK_DTYPES and shape[1] % spec.BLOCK_SIZE:

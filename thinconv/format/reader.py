@@ -251,6 +251,14 @@ class Archive:
             flat.flags.writeable = False
         return flat.reshape(shape[0], rb)
 
+    def release(self, name: str) -> None:
+        """Drop a tensor's mapped pages from this process's resident memory (the OS page cache
+        keeps them; a later read maps them back). Lets a runtime stream weights through a
+        bounded footprint; views of the tensor stay valid."""
+        for pid in self.tensor_info(name)["pages"]:
+            p = self.page(pid)
+            _drop_resident(self._mm, p.offset, p.size)
+
     def tensor(self, name: str) -> np.ndarray:
         """A float tensor as a read-only numpy array of its dtype and shape (bf16 via ml_dtypes);
         block-quantized tensors come back as their raw uint8 blocks (see `dequantize`)."""
