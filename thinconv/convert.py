@@ -32,7 +32,6 @@ from thinconv.rope import rope_inv_freq
 from thinconv.transforms import get_transform
 
 NUMPY_OUT = {"f32": np.dtype("<f4"), "f16": np.dtype("<f2"), "bf16": np.dtype(ml_dtypes.bfloat16)}
-F16_MAX = float(np.finfo(np.float16).max)
 
 
 class Progress(Protocol):
@@ -313,6 +312,38 @@ def convert(ckpt: Checkpoint, plan: Plan, out: str | os.PathLike, *, force: bool
     t0 = time.perf_counter()
     progress = progress or _NoProgress()
     out = Path(out)
+    _check_output(out, force)
+    tied = tied_head_problem(ckpt, plan.mapping)  # the one value check planning leaves to conversion
+    if tied:
+        raise ConversionError(f"{ckpt.root}: {tied}")
+    maker = PageMaker(ckpt, plan)
+    progress.start("analysing", sum(t.nbytes for t in plan.tensors))
+    pages, stats, quant, warnings = _analyse(maker, plan, progress)
+    sources, prefetcher = _tensor_page_sources(maker, plan)
+    assets = _add_assets(plan, pages, sources)
+    validation: dict[str, Any] = {
+        "converter": {"name": "thinconv", "version": thinconv.__version__, "recipe": plan.recipe.name},
+        "source": ckpt.provenance(),
+        "stats": stats,
+    }
+    if quant:
+        validation["quant"] = quant
+    if probe is not None:
+        validation["probe"] = probe
+    manifest = {"format": "thin", "format_version": spec.VERSION, "alignment": spec.ALIGNMENT, "model": plan.model,
+                "tensors": [_tensor_entry(tp) for tp in plan.tensors], "pages": pages, "assets": assets,
+                "runtime": {"page_size": plan.options.page_size}, "validation": validation}
+    progress.start("writing", sum(p["size"] for p in pages))
+    try:
+        result: PackResult = pack(manifest, sources, out, force=force, progress=progress.advance)
+    finally:
+        prefetcher.close()
+    return ConvertResult(result.path, result.size, result.page_count, result.archive_hash,
+                         time.perf_counter() - t0, manifest, warnings)
+
+
+def _check_output(out: Path, force: bool) -> None:
+    """Fail before any work when the output cannot be written (the packer re-checks at the end)."""
     if out.exists() and not force:
         raise PackError(f"{out} already exists (use --force to overwrite)")
     folder = out.parent if str(out.parent) else Path(".")
@@ -320,37 +351,35 @@ def convert(ckpt: Checkpoint, plan: Plan, out: str | os.PathLike, *, force: bool
         raise PackError(f"output folder {folder} does not exist")
     if not os.access(folder, os.W_OK):
         raise PackError(f"output folder {folder} is not writable")
-    tied = tied_head_problem(ckpt, plan.mapping)  # the one value check planning leaves to conversion
-    if tied:
-        raise ConversionError(f"{ckpt.root}: {tied}")
-    maker = PageMaker(ckpt, plan)
-    pages: list[dict] = []
-    tensors: list[dict] = []
-    stats: dict[str, dict] = {}
-    quant: dict[str, dict] = {}
-    warnings: list[str] = []
-    progress.start("analysing", sum(t.nbytes for t in plan.tensors))
 
-    def analyse(job: tuple[TensorPlan, int, int, int]):
+
+def _analyse(maker: PageMaker, plan: Plan, progress: Progress) -> tuple[list[dict], dict, dict, list[str]]:
+    """Pass 1: every tensor page's checksum, the source statistics and quantization error.
+
+    Returns (pages[] entries, validation.stats, validation.quant, warnings)."""
+
+    def one_page(job: tuple[TensorPlan, int, int, int]):
         tp, k, s, e = job
         page = maker.make(tp, s, e, analyse=True)
         checksum = blake3.blake3(page.data, max_threads=blake3.blake3.AUTO).hexdigest()
         if tp.sources:
             maker.source(tp).release(s, e)
-        return tp, k, s, e, page.data.nbytes, checksum, page
+        return tp, k, s, e, checksum, page
 
-    jobs = [(tp, k, s, e) for tp in plan.tensors for k, (s, e) in enumerate(tp.pages)]
+    pages: list[dict] = []
     merged: dict[str, RunningStats] = {}
     errs: dict[str, Any] = {}
-    for tp, k, s, e, size, checksum, page in _ordered_map(analyse, jobs):
-        pages.append({"id": spec.page_id(tp.name, k), "tensor": tp.name, "rows": [s, e], "size": size, "checksum": checksum})
+    jobs = [(tp, k, s, e) for tp in plan.tensors for k, (s, e) in enumerate(tp.pages)]
+    for tp, k, s, e, checksum, page in _ordered_map(one_page, jobs):
+        pages.append({"id": spec.page_id(tp.name, k), "tensor": tp.name, "rows": [s, e], "size": page.data.nbytes,
+                      "checksum": checksum})
         merged.setdefault(tp.name, RunningStats()).merge(page.stats)
         if page.qerr is not None:
-            if tp.name in errs:
-                errs[tp.name].merge(page.qerr)
-            else:
-                errs[tp.name] = page.qerr
-        progress.advance(size)
+            errs.setdefault(tp.name, type(page.qerr)()).merge(page.qerr)
+        progress.advance(page.data.nbytes)
+    stats: dict[str, dict] = {}
+    quant: dict[str, dict] = {}
+    warnings: list[str] = []
     for tp in plan.tensors:
         st = merged[tp.name].result()
         if tp.name != "rope_freqs":
@@ -368,10 +397,17 @@ def convert(ckpt: Checkpoint, plan: Plan, out: str | os.PathLike, *, force: bool
                                       f"keep it in a float dtype, e.g. --keep '{tp.role}=bf16'")
         elif tp.note:
             quant[tp.name] = {"rmse": None, "max_abs_err": None, "rel_rmse": None, "note": tp.note}
-        tensors.append({"name": tp.name, "role": tp.role, "layer": tp.layer, "source": tp.sources, "shape": tp.shape,
-                        "dtype": tp.dtype, "quant": tp.quant, "hints": tp.hints,
-                        "pages": [spec.page_id(tp.name, k) for k in range(len(tp.pages))]})
-    sources, prefetcher = _tensor_page_sources(maker, plan)
+    return pages, stats, quant, warnings
+
+
+def _tensor_entry(tp: TensorPlan) -> dict:
+    return {"name": tp.name, "role": tp.role, "layer": tp.layer, "source": tp.sources, "shape": tp.shape,
+            "dtype": tp.dtype, "quant": tp.quant, "hints": tp.hints,
+            "pages": [spec.page_id(tp.name, k) for k in range(len(tp.pages))]}
+
+
+def _add_assets(plan: Plan, pages: list[dict], sources: dict[str, Any]) -> list[dict]:
+    """Asset pages (verbatim source files, after all tensor pages): hash them, add their sources."""
     assets = []
     for ap in plan.assets:
         ids = []
@@ -385,26 +421,7 @@ def convert(ckpt: Checkpoint, plan: Plan, out: str | os.PathLike, *, force: bool
             sources[pid] = src
             ids.append(pid)
         assets.append({"name": ap.file.name, "media_type": ap.media_type, "size": ap.file.size, "pages": ids})
-    validation: dict[str, Any] = {
-        "converter": {"name": "thinconv", "version": thinconv.__version__, "recipe": plan.recipe.name},
-        "source": ckpt.provenance(),
-        "stats": stats,
-    }
-    if quant:
-        validation["quant"] = quant
-    if probe is not None:
-        validation["probe"] = probe
-    manifest = {"format": "thin", "format_version": spec.VERSION, "alignment": spec.ALIGNMENT, "model": plan.model,
-                "tensors": tensors, "pages": pages, "assets": assets,
-                "runtime": {"page_size": plan.options.page_size}, "validation": validation}
-    total = sum(p["size"] for p in pages)
-    progress.start("writing", total)
-    try:
-        result: PackResult = pack(manifest, sources, out, force=force, progress=progress.advance)
-    finally:
-        prefetcher.close()
-    return ConvertResult(result.path, result.size, result.page_count, result.archive_hash,
-                         time.perf_counter() - t0, manifest, warnings)
+    return assets
 
 
 class _Prefetcher:
