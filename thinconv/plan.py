@@ -167,37 +167,34 @@ def map_checkpoint(ckpt: Checkpoint, recipe: Recipe, rope_layout: str = "half", 
                                 rules=recipe.metadata, rope_layout=rope_layout)
     report = MappingReport(model)
     wanted = set(spec.tensor_names(model)) - {"rope_freqs"}
-    found: dict[str, list[tuple[str, str]]] = {}  # canonical → [(pattern, source)]
+    found: dict[str, list[str]] = {}  # canonical → the source tensors that map onto it
     for source in sorted(ckpt.tensors):
         hit = recipe.match_source(source)
         if hit is None:
             (report.ignored if recipe.is_ignored(source) else report.unmapped).append(source)
             continue
-        canonical, pattern = hit
-        found.setdefault(canonical, []).append((pattern, source))
+        found.setdefault(hit[0], []).append(source)
     for canonical, hits in found.items():
         role, layer = spec.split_name(canonical)
-        expected = recipe.sources_for(canonical) or []
-        sources = [s for p in expected for (pp, s) in hits if s == p.replace("{L}", str(layer))] if layer is not None \
-            else [s for p in expected for (_, s) in hits if s == p]
+        # in the recipe's order (a list of sources is concatenated in that order)
+        sources = [s for s in recipe.sources_for(canonical) or [] if s in hits]
         if canonical in wanted:
-            if len(sources) == len(expected):
+            if len(sources) == len(recipe.sources_for(canonical) or []):
                 report.mapped[canonical] = sources
             continue
         if canonical == "output.weight" and model["tie_word_embeddings"]:
-            report.tied_duplicate = sources[0] if sources else hits[0][1]
+            report.tied_duplicate = (sources or hits)[0]
             continue
         if layer is not None and layer >= model["num_layers"]:
             why = f"is for layer {layer}, but config.json has num_hidden_layers = {model['num_layers']}"
         else:
             why = f"maps to {canonical}, which config.json rules out ({_flag_reason(model, role)})"
-        report.unexpected.extend(f"source tensor {s} {why}" for _, s in hits)
+        report.unexpected.extend(f"source tensor {s} {why}" for s in hits)
     for canonical in spec.tensor_names(model):
         if canonical == "rope_freqs" or canonical in report.mapped:
             continue
         expected = recipe.sources_for(canonical)
-        have = [s for _, s in found.get(canonical, [])]
-        lacking = [s for s in (expected or []) if s not in have]
+        lacking = [s for s in (expected or []) if s not in found.get(canonical, [])]
         report.missing.append(f"{canonical} (from {', '.join(lacking)})" if lacking else
                               f"{canonical} (the recipe has no rule for role {spec.split_name(canonical)[0]})")
     for canonical, sources in report.mapped.items():
@@ -260,8 +257,14 @@ def tied_head_problem(ckpt: Checkpoint, report: MappingReport) -> str | None:
     if not head or not embd_sources or len(embd_sources) != 1:
         return None
     a, b = ckpt.array(head), ckpt.array(embd_sources[0])
-    same = a.shape == b.shape and a.dtype == b.dtype and all(
-        (a[s:s + 4096].view("u1") == b[s:s + 4096].view("u1")).all() for s in range(0, a.shape[0], 4096))
+    same = a.shape == b.shape and a.dtype == b.dtype
+    row = a.nbytes // max(a.shape[0], 1)
+    for s in range(0, a.shape[0] if same else 0, 4096):  # in slices, releasing each: RSS stays flat
+        same = bool((a[s:s + 4096].view("u1") == b[s:s + 4096].view("u1")).all())
+        for name in (head, embd_sources[0]):
+            ckpt.release(name, s * row, (s + 4096) * row)
+        if not same:
+            break
     if same:
         return None
     return (f"config.json ties the output head to the embeddings (tie_word_embeddings), but "
