@@ -199,7 +199,8 @@ def parse_keep(values: list[str]) -> tuple[tuple[str, str], ...]:
     for v in values:
         glob, sep, dtype = v.partition("=")
         if not sep or not glob or not dtype:
-            raise UsageError(f"--keep {v!r}: expected ROLE_GLOB=DTYPE, e.g. 'ffn_down*=q8_0'")
+            raise UsageError(f"--keep {v!r}: expected ROLE_GLOB=DTYPE, e.g. 'ffn_down*=q8_0' "
+                             f"(DTYPE: bf16, f16, f32, q8_0, q4_0, q4_1)")
         out.append((glob.strip(), dtype.strip()))
     return tuple(out)
 

@@ -247,8 +247,9 @@ class PageMaker:
             try:
                 quantize_rows(src32, tp.dtype, out=out[a:b])
             except NonFiniteError:
-                raise ConversionError(f"tensor {tp.name} ({', '.join(tp.sources)}) holds NaN or Inf values, which "
-                                      f"{tp.dtype} cannot represent; convert to a float dtype or fix the checkpoint") from None
+                raise ConversionError(f"tensor {tp.name} ({', '.join(tp.sources)}) holds values that are NaN or Inf in "
+                                      f"float32, which {tp.dtype} cannot represent; keep it in a float dtype or fix the "
+                                      f"checkpoint") from None
             if stats is not None:
                 stats.add(src32)
                 with np.errstate(all="ignore"):  # an overflowing block scale is reported as one error later

@@ -44,6 +44,9 @@ class ConvertOptions:
                 raise UsageError(f"--keep {glob}={dtype}: dtype must be one of {', '.join(OUTPUT_DTYPES[1:])}")
             if not any(fnmatch.fnmatchcase(r, glob) for r in spec.ROLES):
                 raise UsageError(f"--keep {glob}={dtype}: {glob!r} matches no role ({', '.join(spec.ROLES)})")
+            if not any(fnmatch.fnmatchcase(r, glob) for r in spec.MATRIX_ROLES):
+                raise UsageError(f"--keep {glob}={dtype}: {glob!r} matches only 1-D roles, which are always f32 "
+                                 f"(matrix roles: {', '.join(spec.MATRIX_ROLES)})")
 
 
 @dataclass
@@ -319,7 +322,7 @@ def _choose_dtype(recipe: Recipe, options: ConvertOptions, model: dict, role: st
     recipe_keep = [(g, k) for g, k in recipe.keep if options.dtype in spec.BLOCK_DTYPES or k not in spec.BLOCK_DTYPES]
     for glob, kept in (*recipe_keep, *options.keep):
         if fnmatch.fnmatchcase(role, glob):
-            dtype = natural if kept == "auto" else kept
+            dtype = kept
     if dtype in spec.BLOCK_DTYPES and shape[1] % spec.BLOCK_SIZE:
         return natural, f"{shape[1]} cols is not a multiple of {spec.BLOCK_SIZE}: kept {natural} instead of {dtype}"
     return dtype, None

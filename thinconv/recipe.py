@@ -32,7 +32,6 @@ _RECIPE_KEYS = {"name", "description", "extends", "architectures", "tensors", "i
                 "quantizable", "keep", "transforms"}
 # Tables that `extends` merges key by key (docs/adding-an-architecture.md); other keys replace.
 _TABLE_KEYS = ("tensors", "metadata", "keep", "transforms")
-_MATRIX_ROLES = tuple(r for r in spec.ROLES if r.endswith(".weight") and not r.endswith("norm.weight"))
 
 
 @dataclass(frozen=True)
@@ -165,9 +164,9 @@ def _build(raw: dict, label: str, chain: tuple[str, ...]) -> Recipe:
     if not (isinstance(quantizable, list) and all(isinstance(s, str) for s in quantizable)):
         raise err("quantizable", "expected a list of role globs")
     for g in quantizable:
-        if not any(fnmatch.fnmatchcase(r, g) for r in _MATRIX_ROLES):
-            raise err("quantizable", f"{g!r} matches no matrix role ({', '.join(_MATRIX_ROLES)})")
-        bad = [r for r in spec.ROLES if fnmatch.fnmatchcase(r, g) and r not in _MATRIX_ROLES]
+        if not any(fnmatch.fnmatchcase(r, g) for r in spec.MATRIX_ROLES):
+            raise err("quantizable", f"{g!r} matches no matrix role ({', '.join(spec.MATRIX_ROLES)})")
+        bad = [r for r in spec.ROLES if fnmatch.fnmatchcase(r, g) and r not in spec.MATRIX_ROLES]
         if bad:
             raise err("quantizable", f"{g!r} matches {bad[0]!r}, which stays f32 (only matrices are quantized)")
     keep = raw.get("keep", {})

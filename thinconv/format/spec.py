@@ -55,6 +55,8 @@ LAYER_ROLES = (
 )
 GLOBAL_ROLES = ("rope_freqs", "token_embd.weight", "output_norm.weight", "output.weight")
 ROLES = GLOBAL_ROLES + LAYER_ROLES
+# Roles that are 2-D matrices (the rest — norms, biases, rope_freqs — are 1-D and always f32).
+MATRIX_ROLES = tuple(r for r in ROLES if r.endswith(".weight") and not r.endswith("norm.weight"))
 
 # Scaling types whose inverse frequencies are static, hence stored as `rope_freqs`.
 STATIC_ROPE_SCALINGS = (None, "linear", "llama3", "yarn")
