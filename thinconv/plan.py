@@ -172,11 +172,11 @@ def map_checkpoint(ckpt: Checkpoint, recipe: Recipe, rope_layout: str = "half", 
     wanted = set(spec.tensor_names(model)) - {"rope_freqs"}
     found: dict[str, list[str]] = {}  # canonical → the source tensors that map onto it
     for source in sorted(ckpt.tensors):
-        hit = recipe.match_source(source)
-        if hit is None:
+        canonical = recipe.match_source(source)
+        if canonical is None:
             (report.ignored if recipe.is_ignored(source) else report.unmapped).append(source)
             continue
-        found.setdefault(hit[0], []).append(source)
+        found.setdefault(canonical, []).append(source)
     for canonical, hits in found.items():
         role, layer = spec.split_name(canonical)
         # in the recipe's order (a list of sources is concatenated in that order)

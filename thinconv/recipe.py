@@ -67,13 +67,13 @@ class Recipe:
     def is_quantizable(self, role: str) -> bool:
         return any(fnmatch.fnmatchcase(role, g) for g in self.quantizable)
 
-    def match_source(self, source_name: str) -> tuple[str, str] | None:
-        """(canonical name, which pattern) for a source tensor name, or None."""
+    def match_source(self, source_name: str) -> str | None:
+        """The canonical name a source tensor maps to, or None."""
         for rule in self.tensors:
-            for k, pattern in enumerate(rule.sources):
+            for pattern in rule.sources:
                 m = _compile(pattern).fullmatch(source_name)
                 if m:
-                    return rule.canonical.replace(LAYER, m.group(1)) if rule.per_layer else rule.canonical, pattern
+                    return rule.canonical.replace(LAYER, m.group(1)) if rule.per_layer else rule.canonical
         return None
 
     def is_ignored(self, source_name: str) -> bool:
