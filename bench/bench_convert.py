@@ -1,6 +1,6 @@
 """Conversion throughput and peak memory on a synthetic ~1 GB Llama-shaped bf16 checkpoint.
 
-Prints, per output dtype: wall time, GB/s of source read, parameters/s and the peak RSS of the
+Prints, per output dtype (without the probe, then once with it): wall time, GB/s of source read, parameters/s and the peak RSS of the
 converting process (a subprocess, so each figure stands alone). Not a test: run it by hand.
 
     python bench/bench_convert.py [--layers 8] [--keep]
@@ -71,15 +71,16 @@ def main() -> None:
         print(f"checkpoint: {params / 1e6:.0f} M params, {size / 1e9:.2f} GB bf16")
         # warm the page cache so figures measure the converter, not the disk
         subprocess.run(["cat", str(ckpt / "model.safetensors")], stdout=subprocess.DEVNULL, check=True)
-        for dtype in args.dtypes.split(","):
+        for run in args.dtypes.split(",") + ["auto+probe"]:
+            dtype, probe = run.split("+")[0], run.endswith("+probe")
             out = Path(tmp) / f"out-{dtype}.thin"
             # RUSAGE_CHILDREN is a max over all children so far: measure each in a fresh wrapper.
             code = ("import resource,subprocess,sys,time;t=time.perf_counter();"
-                    f"subprocess.run({[sys.executable, '-m', 'thinconv.cli', 'convert', str(ckpt), str(out), '--dtype', dtype, '--force', '--no-probe', '--json']!r},check=True,stdout=subprocess.DEVNULL);"
+                    f"subprocess.run({[sys.executable, '-m', 'thinconv.cli', 'convert', str(ckpt), str(out), '--dtype', dtype, '--force', '--probe' if probe else '--no-probe', '--json']!r},check=True,stdout=subprocess.DEVNULL);"
                     "print(time.perf_counter()-t, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss/1024)")
             res = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
             seconds, rss = map(float, res.stdout.split())
-            print(f"--dtype {dtype:5s} {seconds:6.2f} s  {size / seconds / 1e9:5.2f} GB/s source  "
+            print(f"{run:10s} {seconds:6.2f} s  {size / seconds / 1e9:5.2f} GB/s source  "
                   f"{params / seconds / 1e6:6.1f} M params/s  peak RSS {rss:6.0f} MiB  "
                   f"output {out.stat().st_size / 1e9:.2f} GB")
 

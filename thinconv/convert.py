@@ -214,7 +214,7 @@ class PageMaker:
                 stats.add(self._rope)
             return PageOutput(_as_bytes(self._rope), stats)
         src = self.source(tp).rows(start, end)
-        step = max(1, CHUNK_VALUES // (src.shape[1] if src.ndim == 2 else CHUNK_VALUES))
+        step = max(1, CHUNK_VALUES // (src.shape[1] if src.ndim == 2 else 1))
         chunks = [(a, min(a + step, src.shape[0])) for a in range(0, src.shape[0], step)]
         if tp.dtype in spec.BLOCK_DTYPES:
             return self._quantize(tp, src, chunks, stats)

@@ -33,6 +33,14 @@ class WeightProvider(Protocol):
         """Tensor `name` as float32, shaped as the manifest says ([out, in] for matrices)."""
         ...
 
+    def rows(self, name: str, start: int, end: int) -> np.ndarray:
+        """Rows [start, end) of tensor `name` as float32 (used by `prefill_logits`)."""
+        ...
+
+    def shape(self, name: str) -> list[int]:
+        """The shape of tensor `name`, without reading it."""
+        ...
+
 
 class DictProvider:
     """A WeightProvider over a dict of canonical name → array (any float dtype; upcast to f32)."""
@@ -48,6 +56,12 @@ class DictProvider:
         if name not in self._tensors:
             raise ConversionError(f"tensor {name}: missing")
         return np.asarray(self._tensors[name]).astype(np.float32)
+
+    def rows(self, name: str, start: int, end: int) -> np.ndarray:
+        return self.get(name)[start:end]
+
+    def shape(self, name: str) -> list[int]:
+        return list(np.shape(self._tensors[name]))
 
 
 @dataclass
@@ -104,6 +118,14 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, layout: str) -> 
         out[:, 0:rd:2] = a * cos - b * sin
         out[:, 1:rd:2] = b * cos + a * sin
     return out
+
+
+def rope_tables(inv_freq: np.ndarray, pos: int, factor: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin (× attention_factor) of position `pos` for each rotation pair."""
+    angle = np.float32(pos) * inv_freq  # f32 product, as the HF reference computes it
+    cos = (np.cos(angle.astype(np.float64)) * factor).astype(np.float32)
+    sin = (np.sin(angle.astype(np.float64)) * factor).astype(np.float32)
+    return cos, sin
 
 
 def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
@@ -263,11 +285,7 @@ class Decoder:
                 cache[i] = new
 
     def _rope_tables(self, pos: int) -> tuple[np.ndarray, np.ndarray]:
-        angle = np.float32(pos) * self.inv_freq  # f32 product, as the HF reference computes it
-        factor = self.attention_factor
-        cos = (np.cos(angle.astype(np.float64)) * factor).astype(np.float32)
-        sin = (np.sin(angle.astype(np.float64)) * factor).astype(np.float32)
-        return cos, sin
+        return rope_tables(self.inv_freq, pos, self.attention_factor)
 
     def _attention(
         self, li: int, layer: _Layer, x: np.ndarray, cos: np.ndarray, sin: np.ndarray
@@ -337,3 +355,52 @@ class Decoder:
             if tok in stop or n + 1 == max_new_tokens:
                 return
             logits = self.step(tok)
+
+
+def prefill_logits(provider: WeightProvider, tokens: list[int], chunk_values: int = 1 << 22) -> np.ndarray:
+    """Logits [len(tokens), vocab] of a short sequence, computed layer by layer.
+
+    The same model as `Decoder` (row t predicts token t + 1), but every weight is read once, in
+    row chunks of ~chunk_values values through `provider.rows`, and dropped: memory stays at a
+    few chunks whatever the model size. The converter uses it for the probe of big models."""
+    m = provider.model
+    heads, kv, hd = int(m["num_attention_heads"]), int(m["num_kv_heads"]), int(m["head_dim"])
+    eps, scale, n = float(m["norm"]["eps"]), float(m["attention"]["scale"]), len(tokens)
+    att, rope = m["attention"], m["rope"]
+
+    def vec(name: str) -> np.ndarray:
+        return np.asarray(provider.get(name), np.float32)
+
+    def linear(name: str, x: np.ndarray, bias: str | None = None) -> np.ndarray:
+        """x @ W.T for W [out, in], W streamed in row chunks."""
+        out_rows = provider.shape(name)[0]
+        step = max(1, chunk_values // x.shape[1])
+        y = np.empty((x.shape[0], out_rows), np.float32)
+        for a in range(0, out_rows, step):
+            b = min(a + step, out_rows)
+            y[:, a:b] = x @ np.asarray(provider.rows(name, a, b), np.float32).T
+        return y + vec(bias) if bias else y
+
+    x = np.concatenate([np.asarray(provider.rows("token_embd.weight", t, t + 1), np.float32) for t in tokens])
+    tables = [rope_tables(vec("rope_freqs"), pos, float(rope["attention_factor"])) for pos in range(n)]
+    for li in range(int(m["num_layers"])):
+        b = f"blk.{li}."
+        h = rms_norm(x, vec(b + "attn_norm.weight"), eps)
+        bias = att["qkv_bias"]
+        q = linear(b + "attn_q.weight", h, b + "attn_q.bias" if bias else None).reshape(n, heads, hd)
+        k = linear(b + "attn_k.weight", h, b + "attn_k.bias" if bias else None).reshape(n, kv, hd)
+        v = linear(b + "attn_v.weight", h, b + "attn_v.bias" if bias else None).reshape(n, kv, hd)
+        if att["qk_norm"]:
+            q, k = rms_norm(q, vec(b + "attn_q_norm.weight"), eps), rms_norm(k, vec(b + "attn_k_norm.weight"), eps)
+        q = np.stack([apply_rope(q[i], *tables[i], rope["layout"]) for i in range(n)])
+        k = np.stack([apply_rope(k[i], *tables[i], rope["layout"]) for i in range(n)])
+        window = att["sliding_window"] if att["layer_types"][li] == "sliding" else None
+        mixed = np.empty((n, heads * hd), np.float32)
+        for i in range(n):
+            start = 0 if window is None else max(0, i + 1 - window)  # i − w < j ≤ i
+            mixed[i] = attend(q[i], k[start:i + 1].transpose(1, 0, 2), v[start:i + 1].transpose(1, 0, 2), scale)
+        x = x + linear(b + "attn_output.weight", mixed, b + "attn_output.bias" if att["o_bias"] else None)
+        h = rms_norm(x, vec(b + "ffn_norm.weight"), eps)
+        x = x + linear(b + "ffn_down.weight", silu(linear(b + "ffn_gate.weight", h)) * linear(b + "ffn_up.weight", h))
+    head = "token_embd.weight" if m["tie_word_embeddings"] else "output.weight"
+    return linear(head, rms_norm(x, vec("output_norm.weight"), eps))
