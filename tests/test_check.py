@@ -42,7 +42,7 @@ FAMILIES = ("llama3", "mistral", "qwen2", "qwen3")
 WINDOW = 4  # Mistral's sliding window; the default check sequence must be longer
 VARIANTS = {"bf16": [], "interleaved": ["--rope-layout", "interleaved"], "q8_0": ["--dtype", "q8_0"],
             "noprobe": ["--no-probe"], "f16": ["--dtype", "f16"], "f32": ["--dtype", "f32"], "q4_0": ["--dtype", "q4_0"]}
-JSON_KEYS = {"dtype_class", "reference", "positions", "max_abs_diff", "max_rel_diff", "top1_agreement", "mean_kl",
+JSON_KEYS = {"dtype_class", "reference", "engine", "positions", "max_abs_diff", "max_rel_diff", "top1_agreement", "mean_kl",
              "max_kl", "ok", "thresholds", "failures", "per_position"}
 runner = CliRunner()
 
@@ -396,6 +396,7 @@ def test_json_fields(archive, sources):
     assert d["top1_agreement"] == sum(p["top1_match"] for p in per) / len(per)
     assert math.isclose(d["mean_kl"], sum(p["kl"] for p in per) / len(per)) and d["max_kl"] == max(p["kl"] for p in per)
     assert d["thresholds"] == THRESHOLDS["exact"]
+    assert d["engine"] == "decode"  # a tiny model decodes token by token
 
 
 def test_tokens_and_steps(archive, sources):
@@ -658,3 +659,16 @@ def test_run_console_script(tiny_llama):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("The river ran slowly") and r.stderr == ""
+
+
+def test_big_archives_are_checked_layer_by_layer_with_the_same_logits(archive):
+    """Past the memory budget, check switches to the weight-streaming prefill: same numbers."""
+    from thinconv.check import archive_logits
+    from thinconv.format import open_archive
+
+    with open_archive(archive("llama3", "q8_0")) as a:
+        tokens = a.manifest["validation"]["probe"]["tokens"]
+        decoded, how = archive_logits(a, tokens)
+        streamed, how_big = archive_logits(a, tokens, memory_budget=0)
+    assert (how, how_big) == ("decode", "prefill")
+    assert np.abs(decoded - streamed).max() <= 1e-5 * np.abs(decoded).max()

@@ -4,6 +4,7 @@ decoder, the conversion-time probe, and logit comparisons with thresholds per dt
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -20,10 +21,11 @@ PROBE_TOP_K = 8
 class ArchiveProvider:
     """Reference-decoder weights straight from an archive (block types dequantized)."""
 
-    def __init__(self, archive: Archive):
+    def __init__(self, archive: Archive, release: bool = False):
         self.archive = archive
         self.model = archive.model
         self._names = set(archive.tensor_names)
+        self._release = release  # drop each tensor's mapped pages once its last rows are read
 
     def has(self, name: str) -> bool:
         return name in self._names
@@ -32,7 +34,10 @@ class ArchiveProvider:
         return self.archive.dequantize(name)
 
     def rows(self, name: str, start: int, end: int) -> np.ndarray:
-        return self.archive.dequantize(name, rows=(start, end))
+        out = self.archive.dequantize(name, rows=(start, end))
+        if self._release and end == self.shape(name)[0]:
+            self.archive.release(name)
+        return out
 
     def shape(self, name: str) -> list[int]:
         return self.archive.tensor_info(name)["shape"]
@@ -135,6 +140,7 @@ class CheckResult:
     positions: list[PositionResult] = field(default_factory=list)
     thresholds: dict = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
+    engine: str = "decode"  # "decode" (token by token) | "prefill" (layer by layer, for big models)
 
     @property
     def ok(self) -> bool:
@@ -142,7 +148,8 @@ class CheckResult:
 
     def summary(self) -> dict:
         p = self.positions
-        return {"dtype_class": self.dtype_class, "reference": self.reference, "positions": len(p),
+        return {"dtype_class": self.dtype_class, "reference": self.reference, "engine": self.engine,
+                "positions": len(p),
                 "max_abs_diff": max(x.max_abs for x in p), "max_rel_diff": max(x.max_rel for x in p),
                 "top1_agreement": sum(x.top1_match for x in p) / len(p),
                 "mean_kl": sum(x.kl for x in p) / len(p), "max_kl": max(x.kl for x in p)}
@@ -282,8 +289,6 @@ def parse_tokens(text: str, vocab: int) -> list[int]:
 def run_check(archive: Archive, tokens: list[int], against: Any | None = None, strict_q4: bool = False) -> CheckResult:
     """Decode `tokens` on the archive and compare with transformers on `against` (a Checkpoint),
     or with the archive's own probe when `against` is None."""
-    from thinconv.decoder import Decoder
-
     if not tokens:  # e.g. a --prompt that its tokenizer encodes to nothing
         raise UsageError("no tokens to compare: give a --prompt that encodes to at least one token, or --tokens")
     probe = archive.manifest["validation"].get("probe")
@@ -294,7 +299,7 @@ def run_check(archive: Archive, tokens: list[int], against: Any | None = None, s
         if not tokens or tokens != probe["tokens"][:len(tokens)]:
             raise UsageError("comparing against the probe uses the probe's own tokens; drop --prompt/--tokens or "
                              "use --against SRC")
-    logits = Decoder(ArchiveProvider(archive)).logits_for(tokens)
+    logits, engine = archive_logits(archive, tokens)
     if against is not None:
         source_dtypes = {}
         from thinconv.plan import SOURCE_DTYPES
@@ -306,4 +311,24 @@ def run_check(archive: Archive, tokens: list[int], against: Any | None = None, s
         result = CheckResult(dtype_class(archive, source_dtypes), "transformers", compare_logits(reference, logits))
     else:
         result = CheckResult(dtype_class(archive, None), "probe", compare_probe(probe, logits))
+    result.engine = engine
     return judge(result, strict_q4)
+
+
+def archive_logits(archive: Archive, tokens: list[int], memory_budget: int | None = None) -> tuple[np.ndarray, str]:
+    """The reference decoder's logits on the archive, and how they were computed.
+
+    Token by token with a KV cache ("decode") when the model's float32 weights fit in a quarter of
+    this machine's memory; otherwise layer by layer with the weights streamed ("prefill": same
+    model, bounded memory), so a big archive can still be checked against its probe."""
+    from thinconv.decoder import Decoder, prefill_logits
+
+    m = archive.model
+    need = 4 * sum(math.prod(t["shape"]) for t in archive.manifest["tensors"])
+    if memory_budget is None:
+        memory_budget = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
+    if need <= memory_budget:
+        return Decoder(ArchiveProvider(archive)).logits_for(tokens), "decode"
+    if (m["rope"]["scaling"] or {}).get("type") not in (None, "linear", "llama3", "yarn"):
+        raise ConversionError("the reference decoder needs a rope_freqs table (static RoPE scaling)")
+    return prefill_logits(ArchiveProvider(archive, release=True), tokens), "prefill"

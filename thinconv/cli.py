@@ -466,7 +466,9 @@ def check(archive: Path = typer.Argument(..., help="A .thin archive."),
     if as_json:
         print_json(result.to_json())
         raise typer.Exit(0 if result.ok else 1)
-    table = Table(title=f"{archive}: {result.dtype_class} archive vs {result.reference}", title_justify="left")
+    how = " (computed layer by layer: the model exceeds the decode memory budget)" if result.engine == "prefill" else ""
+    table = Table(title=f"{escape(str(archive))}: {result.dtype_class} archive vs {result.reference}{how}",
+                  title_justify="left")
     for col in ("pos", "max |Δlogit|", "rel", "top-1", "KL"):
         table.add_column(col, justify="right")
     for p in result.positions:
