@@ -43,10 +43,11 @@ def reported() -> Iterator[None]:
     except ThinError as e:
         fail(str(e), 1)
     except KeyboardInterrupt:
-        fail("interrupted; nothing was written", 1)
+        fail("interrupted (no partial output is left behind)", 1)
 
 
-def byte_progress(description: str, total: int, enabled: bool = True) -> Progress:
+def byte_progress(enabled: bool = True) -> Progress:
+    """A transient progress bar with bytes/s on stderr (only on a terminal); tasks are added by callers."""
     return Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                     TimeRemainingColumn(), console=err, transient=True, disable=not enabled or not err.is_terminal)
 
@@ -138,7 +139,7 @@ def verify(archive: Path = typer.Argument(..., help="A .thin archive."),
     else:
         with a:
             total = sum(p.size for p in a.pages)
-            with byte_progress("verifying", total, enabled=not as_json) as bar:
+            with byte_progress(enabled=not as_json) as bar:
                 task = bar.add_task("verifying", total=total)
                 report = a.verify(progress=lambda n: bar.advance(task, n))
             failures, checked = report.failures, report.bytes_checked
@@ -162,7 +163,7 @@ def pack_cmd(staging: Path = typer.Argument(..., help="A folder holding manifest
     """Pack a staging folder into an archive, through the validating packer."""
     from thinconv.format.staging import pack_staging
 
-    with reported(), byte_progress("packing", 0) as bar:
+    with reported(), byte_progress() as bar:
         task = bar.add_task("packing", total=None)
         result = pack_staging(staging, output, force=force, progress=lambda n: bar.advance(task, n))
     out.print(f"wrote {result.path} ({human(result.size)}, {result.page_count} pages, archive hash "
@@ -256,7 +257,7 @@ def run_conversion(src: str, output: Path, recipe_name: Optional[str], dtype: st
                 from thinconv.check import conversion_probe
 
                 probe_data, probe_note = conversion_probe(ckpt, plan)
-            with byte_progress("converting", 0, enabled=not as_json) as bar:
+            with byte_progress(enabled=not as_json) as bar:
                 result = convert(ckpt, plan, output, force=force, progress=RichProgress(bar), probe=probe_data)
             if probe_note:
                 result.warnings.append(probe_note)
