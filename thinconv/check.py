@@ -114,7 +114,9 @@ def make_probe(provider, tokens: list[int] | None = None, top_k: int = PROBE_TOP
     from thinconv.decoder import prefill_logits
 
     tokens = tokens if tokens is not None else default_tokens(provider.model, PROBE_TOKENS)
-    logits = prefill_logits(provider, tokens)  # streams the weights: bounded memory on big models
+    # Streams the weights (bounded memory on big models); float64, then float32, so the stored
+    # values are the same on any host.
+    logits = prefill_logits(provider, tokens, dtype=np.float64).astype(np.float32)
     positions = []
     for row in logits:
         ids = np.argsort(-row, kind="stable")[:top_k]

@@ -70,12 +70,14 @@ class RunningStats:
             part.inf = x.size - n_finite - part.nan
             x = x[finite]
         if n_finite:
-            # float64 sums through one reused buffer: exact enough, and no page-sized temporaries
+            # float64 through one reused buffer (no page-sized temporaries), summed by numpy's
+            # pairwise sum rather than BLAS, whose kernels differ between CPUs: the archive's
+            # bytes must not depend on the host.
             buf = _scratch64(x.size)
             np.copyto(buf, x)
-            part.count, part.mean = n_finite, float(buf.sum()) / n_finite
+            part.count, part.mean = n_finite, float(np.add.reduce(buf)) / n_finite
             np.subtract(buf, part.mean, out=buf)
-            part.m2 = float(np.dot(buf, buf))
+            part.m2 = float(np.add.reduce(np.square(buf, out=buf)))
             part.lo, part.hi = float(x.min()), float(x.max())
         self.merge(part)
 

@@ -95,9 +95,9 @@ def _field(model: dict, path: str) -> Any:
 
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    """y = x · rsqrt(mean(x²) + eps) · w over the last axis, in f32."""
-    ms = np.mean(x * x, axis=-1, keepdims=True, dtype=np.float32)
-    return (x / np.sqrt(ms + np.float32(eps))) * w
+    """y = x · rsqrt(mean(x²) + eps) · w over the last axis, in x's precision (f32 for decode)."""
+    ms = np.mean(x * x, axis=-1, keepdims=True, dtype=x.dtype)
+    return (x / np.sqrt(ms + x.dtype.type(eps))) * w
 
 
 def silu(x: np.ndarray) -> np.ndarray:
@@ -136,7 +136,7 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndar
     scores -= scores.max(axis=-1, keepdims=True)
     p = np.exp(scores)
     p /= p.sum(axis=-1, keepdims=True)
-    return np.einsum("gqn,gnd->gqd", p.astype(np.float32), v).reshape(-1)
+    return np.einsum("gqn,gnd->gqd", p.astype(v.dtype), v).reshape(-1)
 
 
 class Decoder:
@@ -357,31 +357,33 @@ class Decoder:
             logits = self.step(tok)
 
 
-def prefill_logits(provider: WeightProvider, tokens: list[int], chunk_values: int = 1 << 22) -> np.ndarray:
+def prefill_logits(provider: WeightProvider, tokens: list[int], chunk_values: int = 1 << 22,
+                   dtype: type = np.float32) -> np.ndarray:
     """Logits [len(tokens), vocab] of a short sequence, computed layer by layer.
 
     The same model as `Decoder` (row t predicts token t + 1), but every weight is read once, in
     row chunks of ~chunk_values values through `provider.rows`, and dropped: memory stays at a
-    few chunks whatever the model size. The converter uses it for the probe of big models."""
+    few chunks whatever the model size. The converter computes its probe this way in float64
+    (`dtype`), so that the stored float32 logits do not depend on the host's BLAS kernels."""
     m = provider.model
     heads, kv, hd = int(m["num_attention_heads"]), int(m["num_kv_heads"]), int(m["head_dim"])
     eps, scale, n = float(m["norm"]["eps"]), float(m["attention"]["scale"]), len(tokens)
     att, rope = m["attention"], m["rope"]
 
     def vec(name: str) -> np.ndarray:
-        return np.asarray(provider.get(name), np.float32)
+        return np.asarray(provider.get(name), dtype)
 
     def linear(name: str, x: np.ndarray, bias: str | None = None) -> np.ndarray:
         """x @ W.T for W [out, in], W streamed in row chunks."""
         out_rows = provider.shape(name)[0]
         step = max(1, chunk_values // x.shape[1])
-        y = np.empty((x.shape[0], out_rows), np.float32)
+        y = np.empty((x.shape[0], out_rows), dtype)
         for a in range(0, out_rows, step):
             b = min(a + step, out_rows)
-            y[:, a:b] = x @ np.asarray(provider.rows(name, a, b), np.float32).T
+            y[:, a:b] = x @ np.asarray(provider.rows(name, a, b), dtype).T
         return y + vec(bias) if bias else y
 
-    x = np.concatenate([np.asarray(provider.rows("token_embd.weight", t, t + 1), np.float32) for t in tokens])
+    x = np.concatenate([np.asarray(provider.rows("token_embd.weight", t, t + 1), dtype) for t in tokens])
     tables = [rope_tables(vec("rope_freqs"), pos, float(rope["attention_factor"])) for pos in range(n)]
     for li in range(int(m["num_layers"])):
         b = f"blk.{li}."
@@ -395,7 +397,7 @@ def prefill_logits(provider: WeightProvider, tokens: list[int], chunk_values: in
         q = np.stack([apply_rope(q[i], *tables[i], rope["layout"]) for i in range(n)])
         k = np.stack([apply_rope(k[i], *tables[i], rope["layout"]) for i in range(n)])
         window = att["sliding_window"] if att["layer_types"][li] == "sliding" else None
-        mixed = np.empty((n, heads * hd), np.float32)
+        mixed = np.empty((n, heads * hd), dtype)
         for i in range(n):
             start = 0 if window is None else max(0, i + 1 - window)  # i − w < j ≤ i
             mixed[i] = attend(q[i], k[start:i + 1].transpose(1, 0, 2), v[start:i + 1].transpose(1, 0, 2), scale)
