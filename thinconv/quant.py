@@ -38,6 +38,7 @@ _F32 = np.float32
 _TILE_BLOCKS = 16384  # 512 Ki values: big enough to amortise GIL hand-offs, small enough for L3
 _CHUNK_VALUES = 2 * _TILE_BLOCKS * BLOCK_SIZE  # default work unit handed to a thread
 _SUM_SLICE = 1 << 16  # values per float64 slice in the error sums
+_SAFE_SQ = (2.0**-40, 2.0**40)  # f32 sums of squares neither overflow nor underflow in here
 _SIGN = np.uint32(0x80000000)
 _ALMOST_HALF = np.uint32(0x3EFFFFFF)  # bits of 0.49999997f, the largest float below 0.5
 _F16_MASK = np.uint32(0x8FFFE000)  # sign + f16 exponent/mantissa after the <<13 shift
@@ -92,11 +93,16 @@ class QuantErrorStats:
         worst = max(float(d.max()), -float(d.min()))
         # float64 squares summed by numpy's pairwise sum, not BLAS dot: BLAS kernels differ
         # between CPUs, and these figures land in the archive, which must not depend on the host.
-        sq_err = sq_src = 0.0
-        for a in range(0, d.size, _SUM_SLICE):  # small float64 temporaries
-            d64, s64 = d[a:a + _SUM_SLICE].astype(np.float64), s[a:a + _SUM_SLICE].astype(np.float64)
-            sq_err += float(np.add.reduce(np.square(d64, out=d64)))
-            sq_src += float(np.add.reduce(np.square(s64, out=s64)))
+        if _SAFE_SQ[0] <= src_amax <= _SAFE_SQ[1]:
+            # f32 squares (exactly rounded), summed in float64 by numpy's pairwise sum
+            sq_err = float(np.add.reduce(np.square(d, out=d), dtype=np.float64))
+            sq_src = float(np.add.reduce(np.square(s), dtype=np.float64))
+        else:  # squares would over/underflow f32: square in float64, in small slices
+            sq_err = sq_src = 0.0
+            for a in range(0, d.size, _SUM_SLICE):
+                d64, s64 = d[a:a + _SUM_SLICE].astype(np.float64), s[a:a + _SUM_SLICE].astype(np.float64)
+                sq_err += float(np.add.reduce(np.square(d64, out=d64)))
+                sq_src += float(np.add.reduce(np.square(s64, out=s64)))
         if math.isnan(worst) or math.isnan(sq_err):
             # d or m overflowed f16 (|x| beyond ~8e6 for q8_0, ~5e5 for q4_0, 65504 for q4_1's
             # min): the block decodes to inf/NaN, so the error is unbounded — report inf.
