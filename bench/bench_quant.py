@@ -41,6 +41,8 @@ def make_input(rows: int, cols: int, dtype: str) -> np.ndarray:
 def runner(impl: str, scheme: str, threads: int):
     if impl == "thin":
         return lambda a: quantize_chunked(a, scheme, threads=threads)[0]
+    if impl == "bare":  # what a converter's write pass does: no error report
+        return lambda a: quantize_chunked(a, scheme, threads=threads, report=False)[0]
     if impl == "rows":
         return lambda a: quantize_rows(a, scheme)
     return lambda a: gguf.quants.quantize(a, GGUF_TYPES[scheme])
@@ -98,18 +100,20 @@ def main() -> None:
     n = args.rows * args.cols
     print(f"{args.rows}x{args.cols} = {n / 1e6:.1f} M params; quantize_chunked threads={args.threads}; "
           f"best of {args.repeat}; cpus={os.cpu_count()}; loadavg before {os.getloadavg()[0]:.2f}")
-    print(f"{'source':6} {'scheme':6} {'chunked Mp/s':>12} {'rows Mp/s':>9} {'gguf Mp/s':>9} {'ratio':>6} "
-          f"{'identical':>9} {'peak+MB chunked':>15} {'rows':>6} {'gguf':>6}")
+    print(f"{'source':6} {'scheme':6} {'chunked Mp/s':>12} {'no-report':>9} {'rows Mp/s':>9} {'gguf Mp/s':>9} "
+          f"{'ratio':>6} {'ratio nr':>8} {'identical':>9} {'peak+MB chunked':>15} {'rows':>6} {'gguf':>6}")
     for dtype in DTYPES:
         src = make_input(args.rows, args.cols, dtype)
         for scheme in GGUF_TYPES:
             t_thin, ours = best_time(runner("thin", scheme, args.threads), src, args.repeat)
+            t_bare, bare = best_time(runner("bare", scheme, args.threads), src, args.repeat)
             t_rows, rows_out = best_time(runner("rows", scheme, 1), src, args.repeat)
             t_ref, ref = best_time(runner("gguf", scheme, 1), src, args.repeat)
-            same = bool(np.array_equal(ours, ref) and np.array_equal(rows_out, ref))
+            same = bool(np.array_equal(ours, ref) and np.array_equal(rows_out, ref) and np.array_equal(bare, ref))
             mem = [peak_rss(args, impl, dtype, scheme) for impl in ("thin", "rows", "gguf")]
-            print(f"{dtype:6} {scheme:6} {n / t_thin / 1e6:12.0f} {n / t_rows / 1e6:9.0f} {n / t_ref / 1e6:9.0f} "
-                  f"{t_ref / t_thin:6.2f} {str(same):>9} {mem[0]:>15} {mem[1]:>6} {mem[2]:>6}", flush=True)
+            print(f"{dtype:6} {scheme:6} {n / t_thin / 1e6:12.0f} {n / t_bare / 1e6:9.0f} {n / t_rows / 1e6:9.0f} "
+                  f"{n / t_ref / 1e6:9.0f} {t_ref / t_thin:6.2f} {t_ref / t_bare:8.2f} {str(same):>9} {mem[0]:>15} "
+                  f"{mem[1]:>6} {mem[2]:>6}", flush=True)
     print(f"loadavg after {os.getloadavg()[0]:.2f}  (output alone: q8_0 {n * 34 / 32 / 2**20:.1f} MB, "
           f"q4_0 {n * 18 / 32 / 2**20:.1f} MB, q4_1 {n * 20 / 32 / 2**20:.1f} MB)")
 

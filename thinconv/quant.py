@@ -91,12 +91,14 @@ class QuantErrorStats:
         self.count += src.size
         d, s = diff.reshape(-1), src.reshape(-1)
         worst = max(float(d.max()), -float(d.min()))
-        # float64 squares summed by numpy's pairwise sum, not BLAS dot: BLAS kernels differ
-        # between CPUs, and these figures land in the archive, which must not depend on the host.
+        # Sums use numpy's pairwise summation, not BLAS dot: BLAS kernels differ between CPUs, and
+        # these figures land in the archive, whose bytes must not depend on the host.
         if _SAFE_SQ[0] <= src_amax <= _SAFE_SQ[1]:
-            # f32 squares (exactly rounded), summed in float64 by numpy's pairwise sum
-            sq_err = float(np.add.reduce(np.square(d, out=d), dtype=np.float64))
-            sq_src = float(np.add.reduce(np.square(s), dtype=np.float64))
+            # f32 squares, pairwise f32 sum per tile (relative error ~1e-6), tiles added in float64
+            np.square(d, out=d)
+            sq_err = float(np.add.reduce(d))
+            np.square(s, out=d)
+            sq_src = float(np.add.reduce(d))
         else:  # squares would over/underflow f32: square in float64, in small slices
             sq_err = sq_src = 0.0
             for a in range(0, d.size, _SUM_SLICE):
@@ -376,14 +378,14 @@ def quantize_rows(x: np.ndarray, scheme: str, *, out: np.ndarray | None = None) 
 
 
 def quantize_chunked(src: np.ndarray, scheme: str, *, chunk_rows: int | None = None,
-                     threads: int = 2) -> tuple[np.ndarray, QuantErrorStats]:
+                     threads: int = 2, report: bool = True) -> tuple[np.ndarray, QuantErrorStats | None]:
     """Quantize a 2-D f32/f16/bf16 array (e.g. a read-only mmap view) with an error report.
 
     Rows are processed ``chunk_rows`` at a time on ``threads`` (long-lived) threads; each thread
     upcasts tiles of its chunk into a private scratch of at most ~8.5 MB, so the tensor never
     exists in f32.
     The report compares each dequantized tile with its source tile (deterministic: partial
-    reports are merged in row order).
+    reports are merged in row order); ``report=False`` skips it (and returns None for it).
     """
     bb = _check_scheme(scheme)
     _check_source(src, "quantize_chunked")
@@ -395,9 +397,9 @@ def quantize_chunked(src: np.ndarray, scheme: str, *, chunk_rows: int | None = N
     out = np.empty((rows, cols // BLOCK_SIZE * bb), np.uint8)
     starts = range(0, rows, chunk_rows) if src.size else range(0)
 
-    def work(r0: int) -> QuantErrorStats:
+    def work(r0: int) -> QuantErrorStats | None:
         r1 = min(r0 + chunk_rows, rows)
-        st = QuantErrorStats()
+        st = QuantErrorStats() if report else None
         _quant_rows(scheme, np.ascontiguousarray(src[r0:r1]), out[r0:r1], st, r0)
         return st
 
@@ -405,6 +407,8 @@ def quantize_chunked(src: np.ndarray, scheme: str, *, chunk_rows: int | None = N
         parts = [work(r0) for r0 in starts]
     else:
         parts = list(_pool(threads).map(work, starts))  # re-raises the first failing chunk's error
+    if not report:
+        return out, None
     stats = QuantErrorStats()
     for p in parts:
         stats.merge(p)
