@@ -27,6 +27,7 @@ from typer.testing import CliRunner
 
 from thinconv.check import (THRESHOLDS, CheckResult, PositionResult, compare_logits, compare_probe, judge,
                             parse_tokens)
+from hfnames import canonical_name
 from thinconv.cli import app
 from thinconv.decoder import Decoder, DictProvider
 from thinconv.errors import UsageError
@@ -302,16 +303,6 @@ def test_failing_check_text_output(archive, sources, work):
 
 # ---------------------------------------------------------------- the probe
 
-_HF_TO_CANONICAL = [
-    (r"model\.embed_tokens\.weight", "token_embd.weight"), (r"model\.norm\.weight", "output_norm.weight"),
-    (r"lm_head\.weight", "output.weight"),
-    (r"model\.layers\.(\d+)\.input_layernorm\.weight", r"blk.\1.attn_norm.weight"),
-    (r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", r"blk.\1.ffn_norm.weight"),
-    (r"model\.layers\.(\d+)\.self_attn\.([qkv])_proj\.(weight|bias)", r"blk.\1.attn_\2.\3"),
-    (r"model\.layers\.(\d+)\.self_attn\.o_proj\.weight", r"blk.\1.attn_output.weight"),
-    (r"model\.layers\.(\d+)\.self_attn\.([qk])_norm\.weight", r"blk.\1.attn_\2_norm.weight"),
-    (r"model\.layers\.(\d+)\.mlp\.(gate|up|down)_proj\.weight", r"blk.\1.ffn_\2.weight"),
-]
 
 
 def _hf_model(src: Path):
@@ -326,8 +317,7 @@ def _source_decoder(hf, model: dict) -> Decoder:
     for name, t in hf.state_dict().items():
         if name == "lm_head.weight" and model["tie_word_embeddings"]:
             continue
-        canon = next(re.sub(p, r, name) for p, r in _HF_TO_CANONICAL if re.fullmatch(p, name))
-        tensors[canon] = t.float().numpy()
+        tensors[canonical_name(name)] = t.float().numpy()
     return Decoder(DictProvider({**model, "rope": {**model["rope"], "layout": "half"}}, tensors))
 
 

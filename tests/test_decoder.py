@@ -7,7 +7,6 @@ from the model's own `rotary_emb.inv_freq`, and writes the manifest `model` obje
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,29 +28,13 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from hfnames import canonical_name
 from thinconv.decoder import Decoder, DictProvider, prefill_logits
 from thinconv.errors import ConversionError, UsageError
 
 REL_TOL = 1e-5  # max |Δlogit| ≤ REL_TOL × max |logit| (observed ≤ 8e-7; the brief allows 1e-4)
 FAR = 1e-2  # a broken model must differ by at least this much (relative)
 
-# HF name → canonical name (spec §2.2). Fused Phi-3 tensors are split before this table.
-_TABLE: list[tuple[str, str]] = [
-    (r"model\.embed_tokens\.weight", "token_embd.weight"),
-    (r"model\.layers\.(\d+)\.input_layernorm\.weight", r"blk.\1.attn_norm.weight"),
-    (r"model\.layers\.(\d+)\.self_attn\.q_proj\.(weight|bias)", r"blk.\1.attn_q.\2"),
-    (r"model\.layers\.(\d+)\.self_attn\.k_proj\.(weight|bias)", r"blk.\1.attn_k.\2"),
-    (r"model\.layers\.(\d+)\.self_attn\.v_proj\.(weight|bias)", r"blk.\1.attn_v.\2"),
-    (r"model\.layers\.(\d+)\.self_attn\.o_proj\.(weight|bias)", r"blk.\1.attn_output.\2"),
-    (r"model\.layers\.(\d+)\.self_attn\.q_norm\.weight", r"blk.\1.attn_q_norm.weight"),
-    (r"model\.layers\.(\d+)\.self_attn\.k_norm\.weight", r"blk.\1.attn_k_norm.weight"),
-    (r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", r"blk.\1.ffn_norm.weight"),
-    (r"model\.layers\.(\d+)\.mlp\.gate_proj\.weight", r"blk.\1.ffn_gate.weight"),
-    (r"model\.layers\.(\d+)\.mlp\.up_proj\.weight", r"blk.\1.ffn_up.weight"),
-    (r"model\.layers\.(\d+)\.mlp\.down_proj\.weight", r"blk.\1.ffn_down.weight"),
-    (r"model\.norm\.weight", "output_norm.weight"),
-    (r"lm_head\.weight", "output.weight"),
-]
 
 
 def canonical(hf: torch.nn.Module, tied: bool) -> dict[str, np.ndarray]:
@@ -62,12 +45,7 @@ def canonical(hf: torch.nn.Module, tied: bool) -> dict[str, np.ndarray]:
     for name, arr in state.items():
         if tied and name == "lm_head.weight":
             continue
-        for pattern, repl in _TABLE:
-            if re.fullmatch(pattern, name):
-                out[re.sub(pattern, repl, name)] = arr
-                break
-        else:
-            raise AssertionError(f"unmapped HF tensor {name}")
+        out[canonical_name(name)] = arr  # fused Phi-3 tensors were split above
     return out
 
 
