@@ -23,13 +23,15 @@ from thinconv.errors import ThinError, UsageError
 
 app = typer.Typer(help="Convert Hugging Face checkpoints into .thin archives, and inspect or verify them.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
-# soft_wrap: long lines stay whole (paths, hashes) when output goes to a file or a narrow terminal
-out = Console(soft_wrap=True)
-err = Console(stderr=True, soft_wrap=True)
+# Text is printed as is (messages carry user data: paths, names with [brackets]); the few styled
+# lines opt in with markup=True and escape what they interpolate. soft_wrap keeps long lines
+# (paths, hashes) whole when output goes to a file or a narrow terminal.
+out = Console(markup=False, highlight=False, soft_wrap=True)
+err = Console(stderr=True, markup=False, highlight=False, soft_wrap=True)
 
 
 def fail(message: str, code: int = 1) -> None:
-    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    err.print(f"[bold red]error:[/] {escape(message)}", markup=True)
     raise typer.Exit(code)
 
 
@@ -80,26 +82,27 @@ def inspect(archive: Path = typer.Argument(..., help="A .thin archive."),
         print_json(s)
         return
     m = s["model"]
-    out.print(f"[bold]{escape(s['path'])}[/]  {human(s['file_size'])}, {s['page_count']} pages, THIN v{s['format_version']}")
-    out.print(f"archive hash  {s['archive_hash']}", markup=False)
+    out.print(f"[bold]{escape(s['path'])}[/]  {human(s['file_size'])}, {s['page_count']} pages, THIN v{s['format_version']}",
+              markup=True)
+    out.print(f"archive hash  {s['archive_hash']}")
     out.print(f"model         {m['architecture']} ({m['source_architecture']}): {m['num_layers']} layers, hidden "
               f"{m['hidden_size']}, heads {m['num_attention_heads']}/{m['num_kv_heads']} × {m['head_dim']}, "
               f"ffn {m['intermediate_size']}, vocab {m['vocab_size']}, ctx {m['max_position_embeddings']}"
-              f"{', tied head' if m['tie_word_embeddings'] else ''}", highlight=False, markup=False)
+              f"{', tied head' if m['tie_word_embeddings'] else ''}")
     r, a = s["rope"], s["attention"]
     scaling = "none" if r["scaling"] is None else r["scaling"]["type"]
     out.print(f"rope          theta {r['theta']:g}, rotary_dim {r['rotary_dim']}, layout {r['layout']}, scaling "
-              f"{scaling}, attention_factor {r['attention_factor']:g}", highlight=False, markup=False)
+              f"{scaling}, attention_factor {r['attention_factor']:g}")
     out.print(f"attention     qkv_bias {a['qkv_bias']}, o_bias {a['o_bias']}, qk_norm {a['qk_norm']}, "
-              f"sliding_window {a['sliding_window']}, scale {a['scale']:.6g}", highlight=False, markup=False)
+              f"sliding_window {a['sliding_window']}, scale {a['scale']:.6g}")
     st = s["special_tokens"]
-    out.print(f"tokens        bos {st['bos']}, eos {st['eos']}, pad {st['pad']}", highlight=False, markup=False)
+    out.print(f"tokens        bos {st['bos']}, eos {st['eos']}, pad {st['pad']}")
     if s["converter"]:
         c = s["converter"]
         src = s["source"] or {}
         origin = src.get("repo_id") or "local folder"
         out.print(f"converted by  {c['name']} {c['version']} (recipe {c['recipe']}) from {origin}"
-                  f"{' @ ' + src['commit'][:12] if src.get('commit') else ''}", highlight=False, markup=False)
+                  f"{' @ ' + src['commit'][:12] if src.get('commit') else ''}")
     table = Table(title=f"{s['tensor_count']} tensors, {human(s['tensor_bytes'])}", title_justify="left")
     for col in ("role", "dtype", "count", "bytes"):
         table.add_column(col, justify="right" if col in ("count", "bytes") else "left")
@@ -107,7 +110,7 @@ def inspect(archive: Path = typer.Argument(..., help="A .thin archive."),
         table.add_row(row["role"], row["dtype"], str(row["count"]), human(row["bytes"]))
     out.print(table)
     if s["assets"]:
-        out.print("assets        " + ", ".join(f"{x['name']} ({human(x['size'])})" for x in s["assets"]), highlight=False)
+        out.print("assets        " + ", ".join(f"{x['name']} ({human(x['size'])})" for x in s["assets"]))
     if s["quant_worst"]:
         q = Table(title="largest quantization error", title_justify="left")
         for col in ("tensor", "rel_rmse", "rmse", "max_abs_err"):
@@ -147,10 +150,10 @@ def verify(archive: Path = typer.Argument(..., help="A .thin archive."),
         print_json({"path": str(archive), "ok": not failures, "failures": failures, "bytes_checked": checked})
     elif failures:
         for f in failures:
-            err.print(f"[bold red]FAIL[/] {escape(f)}", highlight=False, soft_wrap=True)
-        err.print(f"{archive}: INVALID ({len(failures)} problem{'s' * (len(failures) > 1)})", highlight=False, markup=False)
+            err.print(f"[bold red]FAIL[/] {escape(f)}", markup=True)
+        err.print(f"{archive}: INVALID ({len(failures)} problem{'s' * (len(failures) > 1)})")
     else:
-        out.print(f"{archive}: OK ({human(checked)} checked)", highlight=False, markup=False)
+        out.print(f"{archive}: OK ({human(checked)} checked)")
     raise typer.Exit(1 if failures else 0)
 
 
@@ -167,7 +170,7 @@ def pack_cmd(staging: Path = typer.Argument(..., help="A folder holding manifest
         task = bar.add_task("packing", total=None)
         result = pack_staging(staging, output, force=force, progress=lambda n: bar.advance(task, n))
     out.print(f"wrote {result.path} ({human(result.size)}, {result.page_count} pages, archive hash "
-              f"{result.archive_hash[:16]}…)", highlight=False, markup=False)
+              f"{result.archive_hash[:16]}…)")
 
 
 @app.command()
@@ -180,7 +183,7 @@ def unpack(archive: Path = typer.Argument(..., help="A .thin archive."),
 
     with reported(), open_archive(archive) as a:
         n = unpack_archive(a, dest, force=force)
-    out.print(f"wrote {dest}/manifest.json and {n} page files", highlight=False, markup=False)
+    out.print(f"wrote {dest}/manifest.json and {n} page files")
 
 
 # ---------------------------------------------------------------- conversion
@@ -272,15 +275,15 @@ def run_conversion(src: str, output: Path, recipe_name: Optional[str], dtype: st
         dtypes[t["dtype"]] = dtypes.get(t["dtype"], 0) + 1
     out.print(f"[bold green]wrote[/] {escape(str(result.path))}  {human(result.size)}, {len(result.manifest['tensors'])} tensors "
               f"({', '.join(f'{n} {d}' for d, n in dtypes.items())}), {result.page_count} pages, "
-              f"recipe {plan.recipe.name}, {seconds:.1f} s ({human(int(plan.total_bytes / max(seconds, 1e-9)))}/s)",
-              highlight=False)
-    out.print(f"archive hash {result.archive_hash}", highlight=False, markup=False)
+              f"recipe {escape(plan.recipe.name)}, {seconds:.1f} s ({human(int(plan.total_bytes / max(seconds, 1e-9)))}/s)",
+              markup=True)
+    out.print(f"archive hash {result.archive_hash}")
     q = result.quant_overall
     if q:
         out.print(f"quantization: {q['tensors']} tensors, overall rel_rmse {q['rel_rmse']:.4g} "
-                  f"(worst: {q['worst']})", highlight=False, markup=False)
+                  f"(worst: {q['worst']})")
     for w in result.warnings:
-        err.print(f"[yellow]warning:[/] {escape(w)}", highlight=False, soft_wrap=True)
+        err.print(f"[yellow]warning:[/] {escape(w)}", markup=True)
 
 
 def render_plan(plan, as_json: bool) -> None:
@@ -299,11 +302,11 @@ def render_plan(plan, as_json: bool) -> None:
     out.print(table)
     for t in d["tensors"]:
         if "note" in t:
-            out.print(f"* {t['name']}: {t['note']}", highlight=False, markup=False)
+            out.print(f"* {t['name']}: {t['note']}")
     if d["assets"]:
-        out.print("assets: " + ", ".join(a["name"] for a in d["assets"]), highlight=False)
+        out.print("assets: " + ", ".join(a["name"] for a in d["assets"]))
     if d["ignored"]:
-        out.print("ignored source tensors: " + ", ".join(d["ignored"]), highlight=False)
+        out.print("ignored source tensors: " + ", ".join(d["ignored"]))
 
 
 def make_convert_command(recipe_name: Optional[str], help_text: str):
@@ -355,7 +358,7 @@ def list_recipes(recipes: list[Path] = typer.Option([], "--recipes", help="Extra
         table.add_row(r["name"], ", ".join(r["architectures"]), " → ".join(r["extends"]), r["path"], r["description"])
     out.print(table)
     for note in reg.shadowed:
-        out.print(f"note: {note}", highlight=False, markup=False)
+        out.print(f"note: {note}")
 
 
 @recipe_app.command("check")
@@ -393,13 +396,12 @@ def check_recipe(recipe: str = typer.Argument(..., help="A recipe name, or the p
     if as_json:
         print_json(result)
     else:
-        out.print(f"recipe {chosen.name} on {src}: {len(report.mapped)} tensors mapped, {len(report.ignored)} ignored",
-                  highlight=False, markup=False)
+        out.print(f"recipe {chosen.name} on {src}: {len(report.mapped)} tensors mapped, {len(report.ignored)} ignored",)
         for p in report.problems:
-            err.print(f"[bold red]problem:[/] {escape(p)}", highlight=False, soft_wrap=True)
+            err.print(f"[bold red]problem:[/] {escape(p)}", markup=True)
         if not report.problems:
             out.print("[green]OK[/]: every source tensor is mapped or ignored, every required tensor is present, "
-                      "shapes agree with config.json")
+                      "shapes agree with config.json", markup=True)
     raise typer.Exit(1 if report.problems else 0)
 
 
@@ -468,7 +470,7 @@ def check(archive: Path = typer.Argument(..., help="A .thin archive."),
         print_json(result.to_json())
         raise typer.Exit(0 if result.ok else 1)
     how = " (computed layer by layer: the model exceeds the decode memory budget)" if result.engine == "prefill" else ""
-    table = Table(title=f"{escape(str(archive))}: {result.dtype_class} archive vs {result.reference}{how}",
+    table = Table(title=f"{archive}: {result.dtype_class} archive vs {result.reference}{how}",
                   title_justify="left")
     for col in ("pos", "max |Δlogit|", "rel", "top-1", "KL"):
         table.add_column(col, justify="right")
@@ -478,15 +480,15 @@ def check(archive: Path = typer.Argument(..., help="A .thin archive."),
     out.print(table)
     s = result.summary()
     out.print(f"overall: max |Δlogit| {s['max_abs_diff']:.3g} (rel {s['max_rel_diff']:.3g}), top-1 "
-              f"{100 * s['top1_agreement']:.1f} %, mean KL {s['mean_kl']:.3g}, max KL {s['max_kl']:.3g}", highlight=False, markup=False)
+              f"{100 * s['top1_agreement']:.1f} %, mean KL {s['mean_kl']:.3g}, max KL {s['max_kl']:.3g}")
     if not result.thresholds:
-        out.print(f"{result.dtype_class}: reported only (use --strict to apply a bound)", markup=False)
+        out.print(f"{result.dtype_class}: reported only (use --strict to apply a bound)")
     elif result.ok:
         out.print(f"[bold green]PASS[/] within the {result.dtype_class} bounds "
-                  f"({', '.join(f'{k} {v:g}' for k, v in result.thresholds.items())})")
+                  f"({', '.join(f'{k} {v:g}' for k, v in result.thresholds.items())})", markup=True)
     else:
         for f in result.failures:
-            err.print(f"[bold red]FAIL[/] {escape(f)}", highlight=False)
+            err.print(f"[bold red]FAIL[/] {escape(f)}", markup=True)
     raise typer.Exit(0 if result.ok else 1)
 
 
