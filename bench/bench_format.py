@@ -32,7 +32,7 @@ import numpy as np
 
 from thinconv.format import LazyPage, pack, spec
 from thinconv.format.writer import split_bytes, split_rows
-from thinconv.rope import rope_inv_freq
+from thinconv.rope import model_rope_freqs
 
 ROOT = Path(__file__).resolve().parent.parent
 POOL_BYTES = 16 * 1024 * 1024
@@ -96,8 +96,7 @@ def build(path: Path, gb: float) -> dict:
             pid, size = spec.page_id(name, k), (e - s) * rb
             ids.append(pid)
             if name == "rope_freqs":  # the real table: verify checks it against model.rope
-                data = rope_inv_freq(model["rope"], head_dim=model["head_dim"],
-                                     max_position_embeddings=model["max_position_embeddings"]).tobytes()
+                data = model_rope_freqs(model).tobytes()
                 pages.append({"id": pid, "tensor": name, "rows": [s, e], "size": size,
                               "checksum": blake3.blake3(data).hexdigest()})
                 sources[pid] = data

@@ -10,7 +10,7 @@ import ml_dtypes
 import numpy as np
 
 from thinconv.format import spec
-from thinconv.rope import rope_inv_freq
+from thinconv.rope import model_rope_freqs
 from thinconv.format.writer import split_bytes, split_rows
 
 NP = {"f32": np.float32, "f16": np.float16, "bf16": ml_dtypes.bfloat16}
@@ -44,8 +44,7 @@ def make_archive_inputs(model: dict | None = None, *, dtype: str = "f32", page_s
         shape = spec.expected_shape(model, role)
         dt = dtype if len(shape) == 2 else "f32"
         if name == "rope_freqs":  # the real table: `verify` checks it against model.rope
-            arr = rope_inv_freq(model["rope"], head_dim=model["head_dim"],
-                                max_position_embeddings=model["max_position_embeddings"])
+            arr = model_rope_freqs(model)
         else:
             arr = rng.standard_normal(shape).astype(NP[dt])
         arrays[name] = arr

@@ -49,33 +49,30 @@ class SourceProvider:
 
     def __init__(self, ckpt, plan):
         from thinconv.convert import TensorSource
-        from thinconv.rope import rope_inv_freq
+        from thinconv.rope import model_rope_freqs
 
         self.model = {**plan.model, "rope": {**plan.model["rope"], "layout": "half"}}
-        self._plans = {t.name: replace(t, permute_rope=False) for t in plan.tensors}
-        self._ckpt, self._recipe_path = ckpt, plan.recipe.path
-        self._source = TensorSource
-        rope = self.model["rope"]
-        self._rope = rope_inv_freq(rope, head_dim=self.model["head_dim"],
-                                   max_position_embeddings=self.model["max_position_embeddings"])
+        self._rope = model_rope_freqs(self.model)
+        # the same row reader the converter uses, without the interleave permutation
+        self._sources = {t.name: TensorSource(ckpt, replace(t, permute_rope=False), self.model, plan.recipe.path)
+                         for t in plan.tensors if t.sources}
 
     def has(self, name: str) -> bool:
-        return name in self._plans
+        return name in self._sources or (name == "rope_freqs" and self._rope is not None)
 
     def get(self, name: str) -> np.ndarray:
         if name == "rope_freqs":
             return self._rope
-        return self.rows(name, 0, self._plans[name].shape[0])
+        return self.rows(name, 0, self.shape(name)[0])
 
     def rows(self, name: str, start: int, end: int) -> np.ndarray:
-        tp = self._plans[name]
-        source = self._source(self._ckpt, tp, self.model, self._recipe_path)
-        out = np.asarray(source.rows(start, end), dtype=np.float32).reshape(end - start, *tp.shape[1:])
+        source = self._sources[name]
+        out = np.asarray(source.rows(start, end), dtype=np.float32).reshape(end - start, *source.tp.shape[1:])
         source.release(start, end)  # keep the mmap's resident pages bounded
         return out
 
     def shape(self, name: str) -> list[int]:
-        return self._plans[name].shape
+        return self._sources[name].tp.shape
 
 
 def default_tokens(model: dict, n: int | None = None) -> list[int]:
@@ -92,10 +89,8 @@ def default_tokens(model: dict, n: int | None = None) -> list[int]:
 
 def conversion_probe(ckpt, plan) -> tuple[dict | None, str | None]:
     """The probe for `plan`, computed from the source weights; (None, reason) when skipped."""
-    from thinconv.rope import DYNAMIC_SCALING_TYPES
-
-    kind = (plan.model["rope"]["scaling"] or {}).get("type")
-    if kind in DYNAMIC_SCALING_TYPES:  # the reference decoder needs a static rope_freqs table
+    if not spec.rope_freqs_present(plan.model):  # the reference decoder needs a static rope_freqs table
+        kind = plan.model["rope"]["scaling"]["type"]
         return None, f"probe skipped: the reference decoder does not implement {kind!r} RoPE scaling"
     counts: dict[str, int] = {}
     for t in plan.tensors:
@@ -298,7 +293,7 @@ def run_check(archive: Archive, tokens: list[int], against: Any | None = None, s
         if not probe:
             raise UsageError(f"{archive.path.name} has no validation.probe (converted with --no-probe?); "
                              "use --against SRC")
-        if not tokens or tokens != probe["tokens"][:len(tokens)]:
+        if tokens != probe["tokens"][:len(tokens)]:
             raise UsageError("comparing against the probe uses the probe's own tokens; drop --prompt/--tokens or "
                              "use --against SRC")
     logits, engine = archive_logits(archive, tokens)
@@ -331,6 +326,6 @@ def archive_logits(archive: Archive, tokens: list[int], memory_budget: int | Non
         memory_budget = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
     if need <= memory_budget:
         return Decoder(ArchiveProvider(archive)).logits_for(tokens), "decode"
-    if (m["rope"]["scaling"] or {}).get("type") not in (None, "linear", "llama3", "yarn"):
+    if not spec.rope_freqs_present(m):
         raise ConversionError("the reference decoder needs a rope_freqs table (static RoPE scaling)")
     return prefill_logits(ArchiveProvider(archive, release=True), tokens), "prefill"

@@ -28,7 +28,7 @@ from thinconv.errors import ConversionError, PackError
 from thinconv.format import spec
 from thinconv.format.writer import FilePage, LazyPage, PackResult, pack
 from thinconv.plan import Plan, TensorPlan, tied_head_problem
-from thinconv.rope import rope_inv_freq
+from thinconv.rope import model_rope_freqs
 from thinconv.transforms import get_transform
 
 NUMPY_OUT = {"f32": np.dtype("<f4"), "f16": np.dtype("<f2"), "bf16": np.dtype(ml_dtypes.bfloat16)}
@@ -208,10 +208,7 @@ class PageMaker:
         stats = RunningStats() if analyse else None
         if tp.name == "rope_freqs":
             if self._rope is None:
-                model = self.plan.model
-                self._rope = np.ascontiguousarray(rope_inv_freq(model["rope"], head_dim=model["head_dim"],
-                                                                max_position_embeddings=model["max_position_embeddings"]),
-                                                  dtype="<f4")
+                self._rope = np.ascontiguousarray(model_rope_freqs(self.plan.model), dtype="<f4")
             if stats:
                 stats.add(self._rope)
             return PageOutput(_as_bytes(self._rope), stats)

@@ -14,9 +14,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from thinconv.errors import ConversionError, UsageError
+from thinconv.format import spec
 
-# rope.scaling types whose inverse frequencies are baked into `rope_freqs` (spec §2.2).
-_STATIC_ROPE = {None, "linear", "llama3", "yarn"}
 _INITIAL_CAPACITY = 16
 
 
@@ -205,7 +204,7 @@ class Decoder:
             raise ConversionError(
                 f"manifest model.rope.rotary_dim={rotary_dim}: expected even and ≤ head_dim={self.head_dim}"
             )
-        if kind not in _STATIC_ROPE:
+        if kind not in spec.STATIC_ROPE_SCALINGS:
             raise ConversionError(
                 f"manifest model.rope.scaling.type={kind!r}: not supported by the reference decoder "
                 "(it needs the rope_freqs tensor)"

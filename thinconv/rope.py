@@ -16,8 +16,6 @@ import numpy as np
 
 from thinconv.errors import ConversionError
 
-#: Scaling types whose inverse frequencies are a static table (spec §2.2: `rope_freqs` exists).
-STATIC_SCALING_TYPES = frozenset({"linear", "llama3", "yarn"})
 #: Scaling types whose frequencies depend on the sequence length at run time (no `rope_freqs`).
 DYNAMIC_SCALING_TYPES = frozenset({"dynamic", "longrope"})
 
@@ -54,6 +52,12 @@ def rope_inv_freq(
     else:
         raise ConversionError(f"{_WHERE}: unsupported RoPE scaling type {kind!r}")
     return inv.astype(np.float32)
+
+
+def model_rope_freqs(model: Mapping[str, Any]) -> np.ndarray | None:
+    """`rope_inv_freq` for a manifest `model` object: the table its `rope_freqs` tensor holds."""
+    return rope_inv_freq(model["rope"], head_dim=model["head_dim"],
+                         max_position_embeddings=model["max_position_embeddings"])
 
 
 def rope_attention_factor(rope_parameters: Mapping[str, Any] | None, *, max_position_embeddings: int) -> float:

@@ -324,11 +324,11 @@ class Archive:
         if "rope_freqs" not in self._tensors:
             return []
         from thinconv.errors import ThinError
-        from thinconv.rope import rope_inv_freq  # numpy-only RoPE math, shared with the converter
+        from thinconv.rope import model_rope_freqs  # numpy-only RoPE math, shared with the converter
 
         m = self.model
         try:
-            want = rope_inv_freq(m["rope"], head_dim=m["head_dim"], max_position_embeddings=m["max_position_embeddings"])
+            want = model_rope_freqs(m)
         except ThinError as e:
             return [f"model.rope cannot be evaluated: {e}"]
         got = self.tensor("rope_freqs").astype("f8")
