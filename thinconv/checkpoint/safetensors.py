@@ -90,16 +90,11 @@ class SafetensorsFile:
 
         The page cache keeps them and a later read maps them back in; this only keeps RSS
         bounded while a converter streams a model much larger than a page through the mmap."""
+        from thinconv.format.reader import drop_resident
+
         entry = self.entries.get(name)
-        if entry is None or self._mmap is None or end <= start:
-            return
-        lo = entry.offset + start
-        lo -= lo % mmap.PAGESIZE
-        hi = min(entry.offset + end, len(self._mmap))
-        try:
-            self._mmap.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
-        except (AttributeError, OSError, ValueError):
-            pass  # a memory-footprint optimisation only
+        if entry is not None and self._mmap is not None and end > start:
+            drop_resident(self._mmap, entry.offset + start, end - start)
 
     def close(self) -> None:
         """Release the mapping; views already handed out keep it alive until they are freed."""

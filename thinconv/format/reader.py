@@ -257,7 +257,7 @@ class Archive:
         bounded footprint; views of the tensor stay valid."""
         for pid in self.tensor_info(name)["pages"]:
             p = self.page(pid)
-            _drop_resident(self._mm, p.offset, p.size)
+            drop_resident(self._mm, p.offset, p.size)
 
     def tensor(self, name: str) -> np.ndarray:
         """A float tensor as a read-only numpy array of its dtype and shape (bf16 via ml_dtypes);
@@ -307,7 +307,7 @@ class Archive:
             while pos < end:
                 n = min(VERIFY_CHUNK, end - pos)
                 hasher.update(memoryview(mm)[pos: pos + n])
-                _drop_resident(mm, pos, n)
+                drop_resident(mm, pos, n)
                 pos += n
                 report.bytes_checked += n
                 if progress:
@@ -356,11 +356,15 @@ class Archive:
         self.close()
 
 
-def _drop_resident(mm: mmap.mmap, pos: int, n: int) -> None:
-    """Tell the kernel this process is done with these mapped pages (the page cache keeps them)."""
+def drop_resident(mm: mmap.mmap, pos: int, n: int) -> None:
+    """Tell the kernel this process is done with mapped bytes [pos, pos + n) (the page cache keeps
+    them; a later read maps them back). Keeps RSS bounded while a big file streams through."""
     start = pos - pos % mmap.PAGESIZE
+    end = min(pos + n, len(mm))
+    if end <= start:
+        return
     try:
-        mm.madvise(mmap.MADV_DONTNEED, start, pos + n - start)
+        mm.madvise(mmap.MADV_DONTNEED, start, end - start)
     except (AttributeError, OSError, ValueError):
         pass  # only a memory-footprint optimisation
 
