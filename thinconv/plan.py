@@ -179,10 +179,10 @@ def map_checkpoint(ckpt: Checkpoint, recipe: Recipe, rope_layout: str = "half", 
         found.setdefault(canonical, []).append(source)
     for canonical, hits in found.items():
         role, layer = spec.split_name(canonical)
-        # in the recipe's order (a list of sources is concatenated in that order)
-        sources = [s for s in recipe.sources_for(canonical) or [] if s in hits]
+        expected = recipe.sources_for(canonical) or []
+        sources = [s for s in expected if s in hits]  # in the recipe's order: concatenated in that order
         if canonical in wanted:
-            if len(sources) == len(recipe.sources_for(canonical) or []):
+            if len(sources) == len(expected):
                 report.mapped[canonical] = sources
             continue
         if canonical == "output.weight" and model["tie_word_embeddings"]:
