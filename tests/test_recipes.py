@@ -523,3 +523,13 @@ def test_transform_sees_source_rows_before_the_interleave(ckpts, kind, tmp_path)
         fixed = src + (rows[:, None] if src.ndim == 2 else rows)
         want = interleave_reference(fixed, hd, hd).astype(thin.array(name).dtype)
         assert thin.array(name).tobytes() == want.tobytes(), name
+
+
+def test_reserved_recipe_names_are_exactly_the_cli_commands():
+    """recipe.RESERVED_NAMES keeps recipes from shadowing a command; it must track the CLI's list."""
+    from thinconv.cli import app
+    from thinconv.recipe import RESERVED_NAMES, load_registry
+
+    commands = {c.name or c.callback.__name__ for c in app.registered_commands}
+    commands |= {g.name for g in app.registered_groups}
+    assert commands - set(load_registry().recipes) == RESERVED_NAMES
