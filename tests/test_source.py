@@ -298,6 +298,15 @@ def test_hub_repo_not_cached(hub_repo: Path) -> None:
     assert "HF_HUB_OFFLINE=1" in text
 
 
+def test_mistyped_local_path_says_so(hub_repo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`examples/typo` looks like a repo id; when `examples/` is a local folder the message says both."""
+    (tmp_path / "examples").mkdir()
+    monkeypatch.chdir(tmp_path)
+    text = _expect("examples/typo", r"^examples/typo: no such local folder \(in examples/\); read as a hub repo id: "
+                                    r"examples/typo@main: not in the local cache")
+    assert "HF_HUB_OFFLINE=1" in text
+
+
 def test_hub_revision_not_cached(hub_repo: Path) -> None:
     _expect("org/tiny", r"^org/tiny@v2: not \(completely\) in the local cache .* and HF_HUB_OFFLINE=1",
             revision="v2")

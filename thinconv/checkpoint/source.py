@@ -120,7 +120,13 @@ def open_checkpoint(src: str | Path, *, revision: str | None = None,
     elif isinstance(src, str) and not path.exists() and _looks_like_repo_id(src):
         repo_id, label = src, src
         revision = revision or "main"
-        root = _hub_download(repo_id, revision, token, _HUB_META_PATTERNS)
+        try:
+            root = _hub_download(repo_id, revision, token, _HUB_META_PATTERNS)
+        except CheckpointError as error:
+            if path.parent.is_dir():  # `examples/typo`: most likely a mistyped local path
+                raise CheckpointError(f"{src}: no such local folder (in {path.parent}/); read as a hub repo "
+                                      f"id: {error}") from None
+            raise
         commit = root.name
         index = _read_index(root, label)
         shard_patterns = sorted(set(index.values())) if index is not None else ["*.safetensors"]
