@@ -15,11 +15,10 @@ from typer.testing import CliRunner
 import thinconv
 from conftest import ASSET_ORDER, KINDS, TOKENIZER_FILES, Ckpt, Thin, expected_names, hf_source_name, \
     interleave_reference
-from thinconv.checkpoint import open_checkpoint
 from thinconv.cli import app
-from thinconv.convert import ConvertResult, convert
+from thinconv.convert import ConvertResult, convert_source
 from thinconv.format.reader import open_archive
-from thinconv.plan import ConvertOptions, plan_conversion
+from thinconv.plan import ConvertOptions
 from thinconv.recipe import load_registry
 
 runner = CliRunner()
@@ -28,11 +27,9 @@ ROPE_ROLES = ("attn_q.weight", "attn_q.bias", "attn_k.weight", "attn_k.bias", "a
 
 
 def convert_api(src: Path | str, out: Path, *, recipes=(), force: bool = False, **opts) -> ConvertResult:
-    registry = load_registry(recipes)
-    with open_checkpoint(str(src)) as ck:
-        recipe = registry.for_architecture(ck.config["architectures"])
-        plan = plan_conversion(ck, recipe, ConvertOptions(**opts))
-        return convert(ck, plan, out, force=force)
+    """The library entry point, without the probe unless asked (tests compare the rest)."""
+    opts.setdefault("probe", False)
+    return convert_source(src, out, options=ConvertOptions(**opts), registry=load_registry(recipes), force=force)
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +149,9 @@ def test_validation_section(ckpt: Ckpt, converted):
     _, thin = converted[ckpt.kind]
     v = thin.manifest["validation"]
     assert v["converter"] == {"name": "thinconv", "version": thinconv.__version__,
-                              "recipe": ckpt.model["architecture"]}
+                              "recipe": ckpt.model["architecture"],
+                              "options": {"dtype": "auto", "page_size": 16 << 20, "rope_layout": "half", "keep": [],
+                                          "strict": False, "probe": False}}
     src = v["source"]
     assert (src["repo_id"], src["revision"], src["commit"]) == (None, None, None)
     present = sorted(p.name for p in ckpt.path.iterdir()
@@ -210,8 +209,9 @@ def test_cli_default_adds_only_the_probe(ckpts, converted, tmp_path):
     r = runner.invoke(app, ["convert", str(ckpts["qwen2"].path), str(out)])
     assert r.exit_code == 0, r.output
     got, want = Thin.read(out), converted["qwen2"][1]
-    assert "probe" in got.manifest["validation"]
+    assert "probe" in got.manifest["validation"] and got.manifest["validation"]["converter"]["options"]["probe"]
     del got.manifest["validation"]["probe"]
+    got.manifest["validation"]["converter"]["options"]["probe"] = False
     assert got.manifest == want.manifest and got.pages == want.pages
 
 

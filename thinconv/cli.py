@@ -227,43 +227,24 @@ class RichProgress:
 def run_conversion(src: str, output: Path, recipe_name: Optional[str], dtype: str, page_size: str,
                    revision: Optional[str], rope_layout: str, keep: list[str], force: bool, strict: bool,
                    dry_run: bool, as_json: bool, recipes: list[Path], probe: bool = True) -> None:
-    import os
     import time
 
-    from thinconv.checkpoint.source import open_checkpoint
-    from thinconv.convert import convert
-    from thinconv.plan import ConvertOptions, plan_conversion
+    from thinconv.convert import convert, open_plan
+    from thinconv.plan import ConvertOptions
     from thinconv.recipe import load_registry
 
     with reported():
         options = ConvertOptions(dtype=dtype, page_size=parse_size(page_size), rope_layout=rope_layout,
-                                 keep=parse_keep(keep), strict=strict)
+                                 keep=parse_keep(keep), strict=strict, probe=probe)
         if output.exists() and not force and not dry_run:
             fail(f"{output} already exists (use --force to overwrite)")
-        registry = load_registry(recipes)
         t0 = time.perf_counter()
-        with open_checkpoint(src, revision=revision, token=os.environ.get("HF_TOKEN")) as ckpt:
-            archs = ckpt.config.get("architectures") or []
-            if recipe_name is None:
-                recipe = registry.for_architecture(archs, f"{src}/config.json")
-            else:
-                recipe = registry.get(recipe_name)
-                if not set(archs) & set(recipe.architectures):
-                    fail(f"{src}/config.json: architecture {', '.join(archs) or '(none)'} is not handled by recipe "
-                         f"{recipe.name!r} ({', '.join(recipe.architectures)}); try `thinconv convert`")
-            plan = plan_conversion(ckpt, recipe, options)
+        with open_plan(src, options, recipe=recipe_name, revision=revision, registry=load_registry(recipes)) as (ckpt, plan):
             if dry_run:
                 render_plan(plan, as_json)
                 return
-            probe_data, probe_note = None, None
-            if probe:
-                from thinconv.check import conversion_probe
-
-                probe_data, probe_note = conversion_probe(ckpt, plan)
             with byte_progress(enabled=not as_json) as bar:
-                result = convert(ckpt, plan, output, force=force, progress=RichProgress(bar), probe=probe_data)
-            if probe_note:
-                result.warnings.append(probe_note)
+                result = convert(ckpt, plan, output, force=force, progress=RichProgress(bar))
     seconds = time.perf_counter() - t0
     if as_json:
         print_json({"path": str(result.path), "size": result.size, "page_count": result.page_count,

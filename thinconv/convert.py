@@ -13,10 +13,11 @@ import os
 import threading
 import time
 from collections import deque
+from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Protocol
 
 import blake3
 import ml_dtypes
@@ -30,6 +31,9 @@ from thinconv.format.writer import FilePage, LazyPage, PackResult, pack
 from thinconv.plan import Plan, TensorPlan, tied_head_problem
 from thinconv.rope import model_rope_freqs
 from thinconv.transforms import get_transform
+
+if TYPE_CHECKING:
+    from thinconv.plan import ConvertOptions
 
 NUMPY_OUT = {"f32": np.dtype("<f4"), "f16": np.dtype("<f2"), "bf16": np.dtype(ml_dtypes.bfloat16)}
 
@@ -307,7 +311,7 @@ def _ordered_map(fn: Callable[[Any], Any], items: Iterable[Any], workers: int = 
 
 
 def convert(ckpt: Checkpoint, plan: Plan, out: str | os.PathLike, *, force: bool = False,
-            progress: Progress | None = None, probe: dict | None = None) -> ConvertResult:
+            progress: Progress | None = None) -> ConvertResult:
     """Write `plan` as a .thin archive at `out` (atomically; nothing is left behind on failure)."""
     t0 = time.perf_counter()
     progress = progress or _NoProgress()
@@ -316,13 +320,21 @@ def convert(ckpt: Checkpoint, plan: Plan, out: str | os.PathLike, *, force: bool
     tied = tied_head_problem(ckpt, plan.mapping)  # the one value check planning leaves to conversion
     if tied:
         raise ConversionError(f"{ckpt.root}: {tied}")
+    probe, probe_note = None, None
+    if plan.options.probe:
+        from thinconv.check import conversion_probe
+
+        probe, probe_note = conversion_probe(ckpt, plan)
     maker = PageMaker(ckpt, plan)
     progress.start("analysing", sum(t.nbytes for t in plan.tensors))
     pages, stats, quant, warnings = _analyse(maker, plan, progress)
+    if probe_note:
+        warnings.append(probe_note)
     sources, prefetcher = _tensor_page_sources(maker, plan)
     assets = _add_assets(plan, pages, sources)
     validation: dict[str, Any] = {
-        "converter": {"name": "thinconv", "version": thinconv.__version__, "recipe": plan.recipe.name},
+        "converter": {"name": "thinconv", "version": thinconv.__version__, "recipe": plan.recipe.name,
+                      "options": plan.options.record()},
         "source": ckpt.provenance(),
         "stats": stats,
     }
@@ -466,3 +478,45 @@ def _tensor_page_sources(maker: PageMaker, plan: Plan) -> tuple[dict[str, LazyPa
 
             sources[spec.page_id(tp.name, k)] = LazyPage((e - s) * tp.row_bytes, produce)
     return sources, prefetcher
+
+
+def select_recipe(registry, ckpt: Checkpoint, recipe_name: str | None, label: str):
+    """The recipe for `ckpt`: by config.json's architectures, or the named one if it handles them."""
+    from thinconv.errors import RecipeError
+
+    archs = ckpt.config.get("architectures") or []
+    if recipe_name is None:
+        return registry.for_architecture(archs, f"{label}/config.json")
+    recipe = registry.get(recipe_name)
+    if not set(archs) & set(recipe.architectures):
+        raise RecipeError(f"{label}/config.json: architecture {', '.join(archs) or '(none)'} is not handled by recipe "
+                          f"{recipe.name!r} ({', '.join(recipe.architectures)}); try `thinconv convert`")
+    return recipe
+
+
+@contextmanager
+def open_plan(src: str | os.PathLike, options: "ConvertOptions | None" = None, *, recipe: str | None = None,
+              revision: str | None = None, token: str | None = None, registry=None) -> Iterator[tuple[Checkpoint, Plan]]:
+    """Open a local checkpoint folder or a hub repo id and plan its conversion (no tensor data read).
+
+    Hub files come through the HF cache; `token` defaults to $HF_TOKEN, `registry` to the built-in
+    and $THINCONV_RECIPES recipes; the recipe is `recipe` or the one for config.json's architecture.
+    The checkpoint stays open inside the `with` block."""
+    from thinconv.checkpoint.source import open_checkpoint
+    from thinconv.plan import ConvertOptions, plan_conversion
+    from thinconv.recipe import load_registry
+
+    registry = registry if registry is not None else load_registry([])
+    token = token if token is not None else os.environ.get("HF_TOKEN")
+    with open_checkpoint(src, revision=revision, token=token) as ckpt:
+        yield ckpt, plan_conversion(ckpt, select_recipe(registry, ckpt, recipe, str(src)), options or ConvertOptions())
+
+
+def convert_source(src: str | os.PathLike, out: str | os.PathLike, *, options: "ConvertOptions | None" = None,
+                   recipe: str | None = None, revision: str | None = None, token: str | None = None,
+                   force: bool = False, registry=None, progress: Progress | None = None) -> ConvertResult:
+    """Convert a local checkpoint folder or a hub repo id to a .thin archive at `out` (what
+    `thinconv convert` runs); arguments as for :func:`open_plan` and :func:`convert`."""
+    _check_output(Path(out), force)
+    with open_plan(src, options, recipe=recipe, revision=revision, token=token, registry=registry) as (ckpt, plan):
+        return convert(ckpt, plan, out, force=force, progress=progress)

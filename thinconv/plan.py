@@ -31,6 +31,7 @@ class ConvertOptions:
     rope_layout: str = "half"
     keep: tuple[tuple[str, str], ...] = ()  # (role glob, dtype), later wins
     strict: bool = False
+    probe: bool = True  # store validation.probe (reference logits computed from the source)
 
     def __post_init__(self) -> None:
         if self.dtype not in OUTPUT_DTYPES:
@@ -47,6 +48,11 @@ class ConvertOptions:
             if not any(fnmatch.fnmatchcase(r, glob) for r in spec.MATRIX_ROLES):
                 raise UsageError(f"--keep {glob}={dtype}: {glob!r} matches only 1-D roles, which are always f32 "
                                  f"(matrix roles: {', '.join(spec.MATRIX_ROLES)})")
+
+    def record(self) -> dict:
+        """validation.converter.options: every option that shapes the archive's bytes."""
+        return {"dtype": self.dtype, "page_size": self.page_size, "rope_layout": self.rope_layout,
+                "keep": [[glob, dtype] for glob, dtype in self.keep], "strict": self.strict, "probe": self.probe}
 
 
 @dataclass

@@ -446,9 +446,11 @@ def _check_validation(c: _Checker, v: Any, names: set[str]) -> None:
         return
     # Sections may be absent, but a present one has its type: readers (e.g. summarize) rely on it.
     conv = v.get("converter")
-    if "converter" in v and c.obj(conv, f"{p}.converter", ("name", "version", "recipe")):
+    if "converter" in v and c.obj(conv, f"{p}.converter", ("name", "version", "recipe"), optional=("options",)):
         for k in ("name", "version", "recipe"):
             c.str(conv.get(k), f"{p}.converter.{k}")
+        if "options" in conv:
+            c.obj(conv["options"], f"{p}.converter.options")  # free-form: the converter's own settings
     src = v.get("source")
     if "source" in v and c.obj(src, f"{p}.source", ("repo_id", "revision", "commit", "files")):
         for k in ("repo_id", "revision", "commit"):
