@@ -1,9 +1,13 @@
-"""Conversion throughput and peak memory on a synthetic ~1 GB Llama-shaped bf16 checkpoint.
+"""Conversion speed and memory, whole process, next to `cp` of the same shard files.
 
-Prints, per output dtype (without the probe, then once with it): wall time, GB/s of source read, parameters/s and the peak RSS of the
-converting process (a subprocess, so each figure stands alone). Not a test: run it by hand.
+Builds (once, cached) a Llama-shaped bf16 checkpoint of about 1.2 GB in 3 shards (hidden 2048,
+10 layers, intermediate 5632, vocab 32000, 32/8 heads, random weights, seed 0), and the same at
+2× the layers. Reports medians of several runs with a warm page cache: wall time, GB/s of
+source bytes, the ratio to `cp`, and peak RSS, for `--dtype auto` (bf16 passthrough), f16, q8_0
+and q4_0 (default options: probe included), plus `verify` GB/s and `inspect` start-up.
+Not a test: run it by hand.
 
-    python bench/bench_convert.py [--layers 8] [--keep]
+    python bench/bench_convert.py [--runs 5] [--cache DIR] [--results bench/RESULTS.md]
 """
 
 from __future__ import annotations
@@ -11,78 +15,184 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
+import platform
+import shutil
+import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 
+TARGETS = {"auto": 1.5, "f16": 2.0, "q8_0": 3.0, "q4_0": 4.0}  # seconds at 1×, 2-core machine
+THINCONV = [sys.executable, "-m", "thinconv.cli"]
 
-def make_checkpoint(root: Path, layers: int, hidden: int = 2048, inter: int = 5632, heads: int = 16,
-                    kv: int = 4, vocab: int = 32000) -> int:
+
+def make_checkpoint(root: Path, layers: int, hidden: int = 2048, inter: int = 5632, heads: int = 32, kv: int = 8,
+                    vocab: int = 32000, shards: int = 3) -> Path:
+    """A random-weight Llama checkpoint in `shards` files with an index (skipped if already built)."""
     from safetensors.numpy import save_file
 
+    done = root / "model.safetensors.index.json"
+    if done.is_file():
+        return root
     hd = hidden // heads
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
               "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
               "num_key_value_heads": kv, "vocab_size": vocab, "max_position_embeddings": 4096,
               "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "hidden_act": "silu", "tie_word_embeddings": False,
-              "bos_token_id": 1, "eos_token_id": 2}
+              "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16"}
     root.mkdir(parents=True, exist_ok=True)
-    (root / "config.json").write_text(json.dumps(config))
+    (root / "config.json").write_text(json.dumps(config, indent=1))
     rng = np.random.default_rng(0)
 
     def w(*shape):
         return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(ml_dtypes.bfloat16)
 
-    tensors = {"model.embed_tokens.weight": w(vocab, hidden), "model.norm.weight": w(hidden), "lm_head.weight": w(vocab, hidden)}
+    names = ["model.embed_tokens.weight"]
     for i in range(layers):
         p = f"model.layers.{i}."
-        tensors.update({p + "input_layernorm.weight": w(hidden), p + "post_attention_layernorm.weight": w(hidden),
-                        p + "self_attn.q_proj.weight": w(heads * hd, hidden), p + "self_attn.k_proj.weight": w(kv * hd, hidden),
-                        p + "self_attn.v_proj.weight": w(kv * hd, hidden), p + "self_attn.o_proj.weight": w(hidden, heads * hd),
-                        p + "mlp.gate_proj.weight": w(inter, hidden), p + "mlp.up_proj.weight": w(inter, hidden),
-                        p + "mlp.down_proj.weight": w(hidden, inter)})
-    save_file(tensors, str(root / "model.safetensors"))
-    return sum(t.size for t in tensors.values())
+        names += [p + n for n in ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                  "self_attn.v_proj.weight", "self_attn.o_proj.weight", "post_attention_layernorm.weight",
+                                  "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")]
+    names += ["model.norm.weight", "lm_head.weight"]
+    shapes = {"embed_tokens": (vocab, hidden), "lm_head": (vocab, hidden), "norm": (hidden,), "layernorm": (hidden,),
+              "q_proj": (heads * hd, hidden), "k_proj": (kv * hd, hidden), "v_proj": (kv * hd, hidden),
+              "o_proj": (hidden, heads * hd), "gate_proj": (inter, hidden), "up_proj": (inter, hidden),
+              "down_proj": (hidden, inter)}
+
+    def shape(name: str) -> tuple[int, ...]:
+        return next(s for key, s in shapes.items() if key in name.split(".")[-2])
+
+    total = sum(int(np.prod(shape(n))) for n in names)
+    index, part, size, k = {}, {}, 0, 0
+    for n in names:
+        part[n] = w(*shape(n))
+        size += part[n].size
+        if size >= total * (k + 1) / shards or n == names[-1]:
+            fname = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
+            save_file(part, str(root / fname))
+            index.update({t: fname for t in part})
+            part, k = {}, k + 1
+    done.write_text(json.dumps({"metadata": {"total_size": total * 2}, "weight_map": index}, indent=1))
+    return root
 
 
-def run(cmd: list[str]) -> tuple[float, float]:
-    """(seconds, peak RSS MiB of the child)."""
+def timed(cmd: list[str]) -> tuple[float, float]:
+    """Wall seconds and peak RSS (MiB) of one whole process."""
     t0 = time.perf_counter()
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
     seconds = time.perf_counter() - t0
-    return seconds, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed: {proc.stderr.read().decode()}")
+    proc.stderr.close()
+    return seconds, usage.ru_maxrss / 1024
+
+
+def median_run(cmd: list[str], runs: int, before=None) -> tuple[float, float]:
+    times, rss = [], []
+    for run in range(runs + 1):  # run 0 warms the page cache and is not counted
+        if before:
+            before()
+        t, r = timed(cmd)
+        if run:
+            times.append(t)
+            rss.append(r)
+    return statistics.median(times), max(rss)
+
+
+def shard_files(src: Path) -> list[Path]:
+    return sorted(src.glob("*.safetensors"))
+
+
+def bench_model(src: Path, work: Path, runs: int, dtypes: list[str]) -> dict:
+    shards = shard_files(src)
+    source_bytes = sum(p.stat().st_size for p in shards)
+    dest = work / "cp"
+
+    def clear_cp():
+        shutil.rmtree(dest, ignore_errors=True)
+        dest.mkdir()
+
+    cp_s, cp_rss = median_run(["cp", *map(str, shards), str(dest)], runs, clear_cp)
+    shutil.rmtree(dest, ignore_errors=True)
+    out = {"source_bytes": source_bytes, "cp": cp_s, "cases": {}}
+    for dtype in dtypes:
+        thin = work / f"{dtype}.thin"
+
+        def clear():
+            thin.unlink(missing_ok=True)
+
+        cmd = THINCONV + ["convert", str(src), str(thin), "--dtype", dtype]
+        seconds, rss = median_run(cmd, runs, clear)
+        out["cases"][dtype] = {"seconds": seconds, "rss_mib": rss, "archive_bytes": thin.stat().st_size}
+        if dtype == "auto":
+            v, v_rss = median_run(THINCONV + ["verify", str(thin)], runs)
+            i, _ = median_run(THINCONV + ["inspect", str(thin)], runs)
+            out["verify"] = {"seconds": v, "gbps": thin.stat().st_size / v / 1e9, "rss_mib": v_rss}
+            out["inspect_seconds"] = i
+        if dtype != "auto":
+            thin.unlink()
+    return out
+
+
+def machine() -> str:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return (f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, Linux {platform.release()}, "
+            f"Python {platform.python_version()}, numpy {np.__version__}")
+
+
+def report(results: dict[str, dict], runs: int) -> str:
+    lines = [f"Machine: {machine()}", f"Medians of {runs} whole-process runs, warm page cache, default options "
+             "(probe included).", ""]
+    lines += ["| model | case | time | source GB/s | × cp | peak RSS | target |", "|---|---|---|---|---|---|---|"]
+    for label, r in results.items():
+        gb = r["source_bytes"] / 1e9
+        lines.append(f"| {label} ({gb:.2f} GB) | `cp` of the 3 shards | {r['cp']:.2f} s | {gb / r['cp']:.2f} | 1.0 | — | — |")
+        for dtype, c in r["cases"].items():
+            target = TARGETS[dtype] * (2 if label.startswith("2×") else 1)
+            ok = "met" if c["seconds"] <= target else f"missed by {c['seconds'] - target:.2f} s"
+            extra = f", ≤ 4× cp ({'met' if c['seconds'] <= 4 * r['cp'] else 'missed'})" if dtype == "auto" else ""
+            lines.append(f"| {label} | convert --dtype {dtype} | {c['seconds']:.2f} s | {gb / c['seconds']:.2f} | "
+                         f"{c['seconds'] / r['cp']:.1f} | {c['rss_mib']:.0f} MiB ({'met' if c['rss_mib'] <= 200 * 1e6 / 2**20 else 'missed'}) | "
+                         f"≤ {target:.1f} s: {ok}{extra} |")
+        v = r["verify"]
+        lines.append(f"| {label} | verify | {v['seconds']:.2f} s | {v['gbps']:.1f} (archive) | — | {v['rss_mib']:.0f} MiB | "
+                     f"≥ 3 GB/s: {'met' if v['gbps'] >= 3 else 'missed'} |")
+        lines.append(f"| {label} | inspect start-up | {r['inspect_seconds']:.2f} s | — | — | — | "
+                     f"≤ 0.3 s: {'met' if r['inspect_seconds'] <= 0.3 else 'missed'} |")
+    return "\n".join(lines)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, default=8)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--cache", type=Path, default=Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "thinconv-bench")
+    ap.add_argument("--work", type=Path, default=None, help="Where archives go (default: inside --cache).")
     ap.add_argument("--dtypes", default="auto,f16,q8_0,q4_0")
+    ap.add_argument("--no-2x", action="store_true", help="Skip the 2× model.")
+    ap.add_argument("--results", type=Path, default=None, help="Also write the table to this markdown file.")
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR", "/tmp")) as tmp:
-        ckpt = Path(tmp) / "ckpt"
-        params = make_checkpoint(ckpt, args.layers)
-        size = (ckpt / "model.safetensors").stat().st_size
-        print(f"checkpoint: {params / 1e6:.0f} M params, {size / 1e9:.2f} GB bf16")
-        # warm the page cache so figures measure the converter, not the disk
-        subprocess.run(["cat", str(ckpt / "model.safetensors")], stdout=subprocess.DEVNULL, check=True)
-        for run in args.dtypes.split(",") + ["auto+probe"]:
-            dtype, probe = run.split("+")[0], run.endswith("+probe")
-            out = Path(tmp) / f"out-{dtype}.thin"
-            # RUSAGE_CHILDREN is a max over all children so far: measure each in a fresh wrapper.
-            code = ("import resource,subprocess,sys,time;t=time.perf_counter();"
-                    f"subprocess.run({[sys.executable, '-m', 'thinconv.cli', 'convert', str(ckpt), str(out), '--dtype', dtype, '--force', '--probe' if probe else '--no-probe', '--json']!r},check=True,stdout=subprocess.DEVNULL);"
-                    "print(time.perf_counter()-t, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss/1024)")
-            res = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
-            seconds, rss = map(float, res.stdout.split())
-            print(f"{run:10s} {seconds:6.2f} s  {size / seconds / 1e9:5.2f} GB/s source  "
-                  f"{params / seconds / 1e6:6.1f} M params/s  peak RSS {rss:6.0f} MiB  "
-                  f"output {out.stat().st_size / 1e9:.2f} GB")
+    models = {"1×": 10} if args.no_2x else {"1×": 10, "2×": 20}
+    results = {}
+    for label, layers in models.items():
+        src = make_checkpoint(args.cache / f"llama-h2048-l{layers}", layers)
+        work = args.work or args.cache / "work"
+        work.mkdir(parents=True, exist_ok=True)
+        print(f"{label}: {src} …", file=sys.stderr, flush=True)
+        results[label] = bench_model(src, work, args.runs, args.dtypes.split(","))
+        for p in work.glob("*.thin"):
+            p.unlink()
+    table = report(results, args.runs)
+    print(table)
+    if args.results:
+        args.results.write_text("# Conversion benchmark results\n\n`python bench/bench_convert.py --results "
+                                f"{args.results}`\n\n{table}\n")
 
 
 if __name__ == "__main__":

@@ -165,8 +165,9 @@ def test_validation_section(ckpt: Ckpt, converted):
     for name, st in stats.items():
         x = ckpt.tensors[hf_source_name(name)].astype(np.float64)
         assert st["min"] == x.min() and st["max"] == x.max(), name
-        assert math.isclose(st["mean"], x.mean(), rel_tol=1e-9, abs_tol=1e-12), name
-        assert math.isclose(st["std"], x.std(), rel_tol=1e-9), name
+        # float32 sums per chunk, merged in float64: good to ~1e-6 of the values' scale
+        assert math.isclose(st["mean"], x.mean(), abs_tol=1e-6 * np.abs(x).mean()), name
+        assert math.isclose(st["std"], x.std(), rel_tol=1e-6), name
         assert st["nan"] == 0 and st["inf"] == 0
     assert "quant" not in v
 
@@ -250,8 +251,9 @@ def test_interleaved_layout(ckpt: Ckpt, interleaved):
     att = ckpt.model["attention"]
     assert permuted == ckpt.model["num_layers"] * (2 + 2 * att["qkv_bias"] + 2 * att["qk_norm"])
     # checksums and stats are of the permuted bytes, and the archive verifies
+    q = ckpt.tensors[hf_source_name("blk.0.attn_q.weight")].astype(np.float64)
     assert thin.manifest["validation"]["stats"]["blk.0.attn_q.weight"]["mean"] == pytest.approx(
-        float(ckpt.tensors[hf_source_name("blk.0.attn_q.weight")].astype(np.float64).mean()), rel=1e-9)
+        float(q.mean()), abs=1e-6 * float(np.abs(q).mean()))
 
 
 def test_interleaved_archive_verifies(ckpts, tmp_path):

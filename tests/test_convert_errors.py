@@ -278,7 +278,9 @@ def test_nan_inf_are_counted_and_warned(llama_copy: Ckpt, tmp_path, probe):
     finite = np.delete(src.reshape(-1), [0, 33, 66])
     assert st["nan"] == 1 and st["inf"] == 2
     assert st["min"] == finite.min() and st["max"] == finite.max()
-    assert st["mean"] == pytest.approx(finite.mean(), rel=1e-9) and st["std"] == pytest.approx(finite.std(), rel=1e-9)
+    # float32 sums per chunk, merged in float64: good to ~1e-6 of the values' scale
+    assert st["mean"] == pytest.approx(finite.mean(), abs=1e-6 * np.abs(finite).mean())
+    assert st["std"] == pytest.approx(finite.std(), rel=1e-6)
     assert np.isnan(thin.array("blk.1.attn_v.weight")[0, 0])  # stored as is
     assert "probe" not in thin.manifest["validation"]  # the source's logits are not finite
     if probe == "--probe":

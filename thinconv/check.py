@@ -47,7 +47,7 @@ class SourceProvider:
     """Reference-decoder weights from the source checkpoint through its recipe plan, in HF's
     "half" RoPE layout whatever layout the archive will hold."""
 
-    def __init__(self, ckpt, plan):
+    def __init__(self, ckpt, plan, wait=None):
         from thinconv.convert import TensorSource
         from thinconv.rope import model_rope_freqs
 
@@ -56,6 +56,7 @@ class SourceProvider:
         # the same row reader the converter uses, without the interleave permutation
         self._sources = {t.name: TensorSource(ckpt, replace(t, permute_rope=False), self.model, plan.recipe.path)
                          for t in plan.tensors if t.sources}
+        self._wait = wait  # wait(name, end): the converter's StreamGate, when following its stream
 
     def has(self, name: str) -> bool:
         return name in self._sources or (name == "rope_freqs" and self._rope is not None)
@@ -67,6 +68,8 @@ class SourceProvider:
 
     def rows(self, name: str, start: int, end: int) -> np.ndarray:
         source = self._sources[name]
+        if self._wait is not None:
+            self._wait(name, end)
         out = np.asarray(source.rows(start, end), dtype=np.float32).reshape(end - start, *source.tp.shape[1:])
         source.release(start, end)  # keep the mmap's resident pages bounded
         return out
@@ -87,8 +90,10 @@ def default_tokens(model: dict, n: int | None = None) -> list[int]:
     return ([bos] + body[: n - 1]) if bos is not None else body
 
 
-def conversion_probe(ckpt, plan) -> tuple[dict | None, str | None]:
-    """The probe for `plan`, computed from the source weights; (None, reason) when skipped."""
+def conversion_probe(ckpt, plan, wait=None) -> tuple[dict | None, str | None]:
+    """The probe for `plan`, computed from the source weights; (None, reason) when skipped.
+
+    `wait(name, end)` is called before rows [.., end) of a tensor are read (see StreamGate)."""
     if not spec.rope_freqs_present(plan.model):  # the reference decoder needs a static rope_freqs table
         kind = plan.model["rope"]["scaling"]["type"]
         return None, f"probe skipped: the reference decoder does not implement {kind!r} RoPE scaling"
@@ -97,7 +102,7 @@ def conversion_probe(ckpt, plan) -> tuple[dict | None, str | None]:
         if len(t.shape) == 2:
             counts[t.source_dtype] = counts.get(t.source_dtype, 0) + 1
     with np.errstate(all="ignore"):  # non-finite weights are reported by the conversion itself
-        probe = make_probe(SourceProvider(ckpt, plan))
+        probe = make_probe(SourceProvider(ckpt, plan, wait))
     if not all(math.isfinite(v) for pos in probe["positions"] for v in pos["logits"]):
         return None, "probe skipped: the source weights give non-finite logits (see the NaN/Inf warnings)"
     probe["source_dtype"] = max(sorted(counts), key=counts.get)

@@ -1,23 +1,23 @@
-"""Conversion: run a plan — stream every page out of the checkpoint, record checksums, stats and
-quantization error, then hand lazily regenerated pages to the packer.
+"""Conversion: run a plan in one streaming pass — every page produced from the mmap'd source
+(passthrough views, casts, quantization), measured (stats, quantization error), hashed and written
+at its final offset, while the probe follows on its own thread; the manifest goes in last.
 
-Two passes, each one page at a time, so memory stays bounded by a few pages whatever the model
-size: the manifest (which precedes the pages in the file) needs every page's checksum, and the
-packer re-checks each page against it as it writes — the gatekeeper sees the real bytes.
+Memory is bounded by a few pages in flight whatever the model size: source pages are dropped from
+the mapping once written, and nothing holds a page's bytes after it is on disk.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 import os
 import threading
 import time
-from collections import deque
 from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 
 import blake3
 import ml_dtypes
@@ -25,10 +25,13 @@ import numpy as np
 
 import thinconv
 from thinconv.checkpoint.source import Checkpoint
-from thinconv.errors import ConversionError, PackError
+from thinconv.errors import ConversionError, PackError, ThinFormatError
 from thinconv.format import spec
-from thinconv.format.writer import FilePage, LazyPage, PackResult, pack
-from thinconv.plan import Plan, TensorPlan, tied_head_problem
+from thinconv.format.reader import open_archive
+from thinconv.format.writer import (
+    head_bytes, move_data, page_offsets, plan_layout, pwrite_all, start_writeback, write_atomically,
+)
+from thinconv.plan import AssetPlan, Plan, TensorPlan, tied_head_problem
 from thinconv.rope import model_rope_freqs
 from thinconv.transforms import get_transform
 
@@ -63,27 +66,39 @@ class RunningStats:
     nan: int = 0
     inf: int = 0
 
-    def add(self, x: np.ndarray) -> None:
-        """Fold in a chunk of float32 values (at most CHUNK_VALUES: it reuses a per-thread buffer)."""
+    def add(self, x: np.ndarray) -> "RunningStats":
+        """Fold in a chunk of float32 (or float64) values, at most CHUNK_VALUES of them; returns
+        the chunk's own statistics.
+
+        Sums run in the chunk's own dtype with numpy's pairwise summation, so mean and std are
+        good to ~1e-6 of the values' scale (min and max are exact); chunks merge in float64.
+        Not BLAS: its kernels differ between CPUs, and these figures land in the archive, whose
+        bytes must not depend on the host."""
         x = x.reshape(-1)
-        finite = np.isfinite(x)
-        n_finite = int(np.count_nonzero(finite))
         part = RunningStats()
-        if n_finite != x.size:
+        if not x.size:
+            return part
+        lo, hi = x.min(), x.max()  # NaN propagates through min/max: finite bounds mean all finite
+        if not (math.isfinite(lo) and math.isfinite(hi)):
+            finite = np.isfinite(x)
             part.nan = int(np.count_nonzero(np.isnan(x)))
-            part.inf = x.size - n_finite - part.nan
+            part.inf = x.size - int(np.count_nonzero(finite)) - part.nan
             x = x[finite]
-        if n_finite:
-            # float64 through one reused buffer (no page-sized temporaries), summed by numpy's
-            # pairwise sum rather than BLAS, whose kernels differ between CPUs: the archive's
-            # bytes must not depend on the host.
-            buf = _scratch64(x.size)
-            np.copyto(buf, x)
-            part.count, part.mean = n_finite, float(np.add.reduce(buf)) / n_finite
-            np.subtract(buf, part.mean, out=buf)
-            part.m2 = float(np.add.reduce(np.square(buf, out=buf)))
-            part.lo, part.hi = float(x.min()), float(x.max())
+            if not x.size:
+                self.merge(part)
+                return part
+            lo, hi = x.min(), x.max()
+        if x.dtype == np.float32 and max(-float(lo), float(hi)) > 1e18:
+            x = x.astype(np.float64)  # squares would overflow float32
+        n = x.size
+        with np.errstate(over="ignore", invalid="ignore"):  # beyond ~1e154 (f64 sources) std is inf
+            mean = float(np.add.reduce(x)) / n
+            dev = _scratch(n, x.dtype)
+            np.subtract(x, x.dtype.type(mean), out=dev)
+            part.count, part.mean, part.m2 = n, mean, float(np.add.reduce(np.square(dev, out=dev)))
+        part.lo, part.hi = float(lo), float(hi)
         self.merge(part)
+        return part
 
     def merge(self, part: "RunningStats") -> None:
         self.nan += part.nan
@@ -107,10 +122,13 @@ class RunningStats:
 _local = threading.local()
 
 
-def _scratch64(n: int) -> np.ndarray:
-    buf = getattr(_local, "buf", None)
+def _scratch(n: int, dtype: np.dtype, use: str = "dev") -> np.ndarray:
+    """A per-thread reusable buffer (one per `use`): no temporaries allocated per chunk."""
+    key = f"{use}_{np.dtype(dtype).char}"
+    buf = getattr(_local, key, None)
     if buf is None or buf.size < n:
-        buf = _local.buf = np.empty(max(n, CHUNK_VALUES), np.float64)
+        buf = np.empty(max(n, CHUNK_VALUES), dtype)
+        setattr(_local, key, buf)
     return buf[:n]
 
 
@@ -177,6 +195,15 @@ class TensorSource:
         return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
 
+def _widened(x: np.ndarray) -> np.ndarray:
+    """x as float32 (float64 stays) in a reused per-thread buffer."""
+    if x.dtype == np.float64:
+        return x
+    out = _scratch(x.size, np.float32, "wide").reshape(x.shape)
+    np.copyto(out, x, casting="unsafe")
+    return out
+
+
 def _as_bytes(a: np.ndarray) -> np.ndarray:
     """A contiguous uint8 view (bf16 arrays cannot export a buffer themselves)."""
     return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
@@ -185,15 +212,15 @@ def _as_bytes(a: np.ndarray) -> np.ndarray:
 @dataclass
 class PageOutput:
     data: np.ndarray  # the page's bytes, uint8
-    stats: RunningStats | None = None  # source-value statistics (pass 1 only)
-    qerr: Any = None  # thinconv.quant.QuantErrorStats of a block-quantized page (pass 1 only)
+    stats: RunningStats | None = None  # source-value statistics
+    qerr: Any = None  # thinconv.quant.QuantErrorStats of a block-quantized page
 
 
 CHUNK_VALUES = 1 << 20  # values per work chunk: temporaries stay a few MiB whatever the page size
 
 
 class PageMaker:
-    """Produces the exact bytes of every page of a plan (deterministic, so both passes agree).
+    """Produces the exact bytes of every page of a plan (deterministic: the same on any host).
 
     Work inside a page runs in row chunks of ~CHUNK_VALUES values, so besides the page's own
     output buffer only a few MiB of temporaries exist per page in flight."""
@@ -208,13 +235,14 @@ class PageMaker:
             self._sources[tp.name] = TensorSource(self.ckpt, tp, self.plan.model, self.plan.recipe.path)
         return self._sources[tp.name]
 
-    def make(self, tp: TensorPlan, start: int, end: int, analyse: bool) -> PageOutput:
-        stats = RunningStats() if analyse else None
+    def make(self, tp: TensorPlan, start: int, end: int) -> PageOutput:
+        """Page bytes for output rows [start, end) of `tp`, with the source values' statistics
+        (and the quantization error of a block-quantized page)."""
+        stats = RunningStats()
         if tp.name == "rope_freqs":
             if self._rope is None:
                 self._rope = np.ascontiguousarray(model_rope_freqs(self.plan.model), dtype="<f4")
-            if stats:
-                stats.add(self._rope)
+            stats.add(self._rope)
             return PageOutput(_as_bytes(self._rope), stats)
         src = self.source(tp).rows(start, end)
         step = max(1, CHUNK_VALUES // (src.shape[1] if src.ndim == 2 else 1))
@@ -223,51 +251,49 @@ class PageMaker:
             return self._quantize(tp, src, chunks, stats)
         want = NUMPY_OUT[tp.dtype]
         if src.dtype == want:  # passthrough: the page is a view of the source
-            if stats:
-                for a, b in chunks:
-                    stats.add(src[a:b].astype(np.float32))
+            for a, b in chunks:
+                stats.add(_widened(src[a:b]))
             return PageOutput(_as_bytes(src), stats)
         out = np.empty(src.shape, want)
+        limit = float(ml_dtypes.finfo(want).max)
         for a, b in chunks:
-            # A direct cast: for bf16 ↔ f16 it equals the exact route through f32 on all 65,536
-            # inputs (tests/test_casts.py checks); overflow is reported below, not warned.
+            wide = _widened(src[a:b])  # exact: every source dtype widens to f32 (f64 stays f64)
+            part = stats.add(wide)
+            # Cast from the exact wide values: equal to a direct cast (tests/test_casts.py checks
+            # bf16 ↔ f16 on all 65,536 inputs) and faster. Overflow is reported below, not warned.
             with np.errstate(over="ignore", invalid="ignore"):
-                out[a:b] = src[a:b]
-            if stats:  # pass 1 checks and measures; pass 2 only regenerates the same bytes
-                wide = src[a:b].astype(np.float64 if src.dtype == np.float64 else np.float32)
+                out[a:b] = wide
+            if part.count and max(-part.lo, part.hi) > limit:
                 self._check_range(tp, wide, out[a:b], want)
-                stats.add(wide)
         return PageOutput(_as_bytes(out), stats)
 
     @staticmethod
-    def _quantize(tp: TensorPlan, src: np.ndarray, chunks: list[tuple[int, int]], stats: RunningStats | None) -> PageOutput:
+    def _quantize(tp: TensorPlan, src: np.ndarray, chunks: list[tuple[int, int]], stats: RunningStats) -> PageOutput:
         from thinconv.quant import NonFiniteError, QuantErrorStats, dequantize_rows, quantize_rows
 
         out = np.empty((src.shape[0], tp.row_bytes), np.uint8)
-        qerr = QuantErrorStats() if stats is not None else None
+        qerr = QuantErrorStats()
         for a, b in chunks:
-            src32 = np.ascontiguousarray(src[a:b], dtype=np.float32)
+            # The quantizer's input: the source upcast to f32 (an f64 source rounded to f32).
+            src32 = src[a:b].astype(np.float32) if src.dtype == np.float64 else _widened(src[a:b])
             try:
                 quantize_rows(src32, tp.dtype, out=out[a:b])
             except NonFiniteError:
                 raise ConversionError(f"tensor {tp.name} ({', '.join(tp.sources)}) holds values that are NaN or Inf in "
                                       f"float32, which {tp.dtype} cannot represent; keep it in a float dtype or fix the "
                                       f"checkpoint") from None
-            if stats is not None:
-                stats.add(src32)
-                with np.errstate(all="ignore"):  # an overflowing block scale is reported as one error later
-                    qerr.accumulate(src32, dequantize_rows(out[a:b], tp.dtype, tp.shape[1]))
+            stats.add(src32)
+            with np.errstate(all="ignore"):  # an overflowing block scale is reported as one error later
+                qerr.accumulate(src32, dequantize_rows(out[a:b], tp.dtype, tp.shape[1]))
         return PageOutput(_as_bytes(out), stats, qerr)
 
     @staticmethod
     def _check_range(tp: TensorPlan, src: np.ndarray, out: np.ndarray, want: np.dtype) -> None:
-        """Any narrowing cast (f64 sources → f32 included) must not turn finite values into Inf."""
+        """Any narrowing cast (f64 sources → f32 included) must not turn finite values into Inf
+        (called only for chunks whose finite values reach beyond the target's range)."""
         limit = float(ml_dtypes.finfo(want).max)
         with np.errstate(over="ignore", invalid="ignore"):
-            finite = np.isfinite(src)
-            if float(np.max(np.abs(src), initial=0.0, where=finite)) <= limit:
-                return  # the common case, without a pass over the (slow) f16 output
-            overflow = np.isinf(out) & finite
+            overflow = np.isinf(out) & np.isfinite(src)
         if overflow.any():
             worst = float(np.abs(src[overflow].astype(np.float64)).max())
             hint = {"f16": "use --dtype bf16 or f32", "bf16": "use --dtype f32"}.get(
@@ -298,21 +324,124 @@ class ConvertResult:
                 "worst": max(q.items(), key=lambda kv: kv[1]["rel_rmse"])[0]}
 
 
-def _ordered_map(fn: Callable[[Any], Any], items: Iterable[Any], workers: int = 2, window: int = 3) -> Iterator[Any]:
-    """map() on a thread pool, results in input order, at most `window` in flight (bounded memory)."""
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        pending: deque = deque()
-        for item in items:
-            pending.append(pool.submit(fn, item))
-            if len(pending) >= window:
-                yield pending.popleft().result()
-        while pending:
-            yield pending.popleft().result()
+@dataclass(frozen=True)
+class _PageJob:
+    """One page of the output, in file order: tensor rows [start, end) or asset bytes [start, end)."""
+
+    pid: str
+    size: int
+    start: int
+    end: int
+    tensor: TensorPlan | None = None
+    asset: AssetPlan | None = None
+
+
+class _StreamAborted(Exception):
+    pass
+
+
+class StreamGate:
+    """Keeps the probe (on its own thread) in step with the page stream.
+
+    The probe reads a tensor's source rows only once the stream has written the pages holding
+    them, and the stream starts a page at most `lag` pages ahead of the probe: both read the same
+    source pages while they are in memory, so the probe costs no second pass over the model."""
+
+    def __init__(self, plan: Plan, lag: int = 4):
+        self.lag = lag
+        self._cond = threading.Condition()
+        self._done = self._probe_at = -1
+        self._probe_finished = self._aborted = False
+        self._first: dict[str, int] = {}
+        self._ends: dict[str, list[int]] = {}
+        self._head_dim = int(plan.model["head_dim"])
+        self._permuted = {t.name for t in plan.tensors if t.permute_rope}
+        k = 0
+        for tp in plan.tensors:
+            self._first[tp.name], self._ends[tp.name] = k, [e for _, e in tp.pages]
+            k += len(tp.pages)
+        self.tensor_pages = k
+
+    def _ordinal(self, name: str, row_end: int) -> int:
+        ends = self._ends[name]
+        if name in self._permuted:  # the interleave moves rows within a head: wait for the whole head
+            row_end = min(-(-row_end // self._head_dim) * self._head_dim, ends[-1])
+        return self._first[name] + bisect.bisect_left(ends, row_end)
+
+    def wait_rows(self, name: str, end: int) -> None:
+        """Probe side: block until rows [0, end) of tensor `name` have streamed past."""
+        k = self._ordinal(name, end)
+        with self._cond:
+            if k > self._probe_at:
+                self._probe_at = k
+                self._cond.notify_all()
+            while self._done < k and not self._aborted:
+                self._cond.wait()
+            if self._aborted:
+                raise _StreamAborted()
+
+    def may_start(self, k: int) -> bool:
+        with self._cond:
+            return self._probe_finished or k >= self.tensor_pages or self._probe_at >= k - self.lag
+
+    def wait_start(self, k: int) -> None:
+        with self._cond:
+            while not (self._probe_finished or k >= self.tensor_pages or self._probe_at >= k - self.lag):
+                self._cond.wait()
+
+    def page_done(self, k: int) -> None:
+        with self._cond:
+            self._done = k
+            self._cond.notify_all()
+
+    def probe_finished(self) -> None:
+        with self._cond:
+            self._probe_finished = True
+            self._cond.notify_all()
+
+    def abort(self) -> None:
+        with self._cond:
+            self._aborted = True
+            self._cond.notify_all()
+
+
+class _ProbeThread(threading.Thread):
+    """Computes validation.probe from the source weights as the stream passes them."""
+
+    def __init__(self, ckpt: Checkpoint, plan: Plan, gate: StreamGate):
+        super().__init__(name="thinconv-probe", daemon=True)
+        self.ckpt, self.plan, self.gate = ckpt, plan, gate
+        self.probe: dict | None = None
+        self.note: str | None = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        from thinconv.check import conversion_probe
+
+        try:
+            self.probe, self.note = conversion_probe(self.ckpt, self.plan, wait=self.gate.wait_rows)
+        except _StreamAborted:
+            pass
+        except BaseException as e:  # handed to the converting thread
+            self.error = e
+        finally:
+            self.gate.probe_finished()
+
+
+WORKERS = 2  # numpy, ml_dtypes, blake3 and pwrite release the GIL: two threads use both cores
+WINDOW = 4  # pages in flight: memory is a few pages whatever the model size
 
 
 def convert(ckpt: Checkpoint, plan: Plan, out: str | os.PathLike, *, force: bool = False,
             progress: Progress | None = None) -> ConvertResult:
-    """Write `plan` as a .thin archive at `out` (atomically; nothing is left behind on failure)."""
+    """Write `plan` as a .thin archive at `out`, in one streaming pass over the source.
+
+    Every page's place is known from the plan before any data is read, except for one shift: the
+    manifest (stats, checksums, probe) is only complete at the end, so the data region is laid
+    out at an estimated data_off and moved by whole 4096-byte steps if the estimate missed.
+    Pages are produced on two threads, hashed, and written at their offsets into a temp file in
+    out's folder; the header, manifest and page table go in last; the file is fsynced, re-opened
+    by the reader as a check, and only then renamed into place (nothing is left on failure)."""
     t0 = time.perf_counter()
     progress = progress or _NoProgress()
     out = Path(out)
@@ -320,75 +449,126 @@ def convert(ckpt: Checkpoint, plan: Plan, out: str | os.PathLike, *, force: bool
     tied = tied_head_problem(ckpt, plan.mapping)  # the one value check planning leaves to conversion
     if tied:
         raise ConversionError(f"{ckpt.root}: {tied}")
-    probe, probe_note = None, None
-    if plan.options.probe:
-        from thinconv.check import conversion_probe
-
-        probe, probe_note = conversion_probe(ckpt, plan)
+    jobs = _page_jobs(plan)
+    rel, data_len = page_offsets([j.size for j in jobs])
+    estimate = plan_layout(_manifest(ckpt, plan, jobs, None, {}, {}, _probe_placeholder(plan))).data_off
     maker = PageMaker(ckpt, plan)
-    progress.start("analysing", sum(t.nbytes for t in plan.tensors))
-    pages, stats, quant, warnings = _analyse(maker, plan, progress)
-    if probe_note:
-        warnings.append(probe_note)
-    sources, prefetcher = _tensor_page_sources(maker, plan)
-    assets = _add_assets(plan, pages, sources)
-    validation: dict[str, Any] = {
-        "converter": {"name": "thinconv", "version": thinconv.__version__, "recipe": plan.recipe.name,
-                      "options": plan.options.record()},
-        "source": ckpt.provenance(),
-        "stats": stats,
-    }
-    if quant:
-        validation["quant"] = quant
-    if probe is not None:
-        validation["probe"] = probe
-    manifest = {"format": "thin", "format_version": spec.VERSION, "alignment": spec.ALIGNMENT, "model": plan.model,
-                "tensors": [_tensor_entry(tp) for tp in plan.tensors], "pages": pages, "assets": assets,
-                "runtime": {"page_size": plan.options.page_size}, "validation": validation}
-    progress.start("writing", sum(p["size"] for p in pages))
+    state: dict[str, Any] = {}
+
+    def write(f) -> None:
+        fd = f.fileno()
+
+        def produce(job: _PageJob) -> tuple[str, PageOutput]:
+            if job.tensor is not None:
+                page = maker.make(job.tensor, job.start, job.end)
+            else:
+                with open(job.asset.file.path, "rb") as src:
+                    src.seek(job.start)
+                    page = PageOutput(np.frombuffer(src.read(job.size), np.uint8))
+            if page.data.nbytes != job.size:
+                raise ConversionError(f"page {job.pid}: produced {page.data.nbytes} bytes, the plan says {job.size}")
+            checksum = blake3.blake3(page.data).hexdigest()
+            pwrite_all(fd, page.data, estimate + job_offsets[job.pid])
+            start_writeback(fd, estimate + job_offsets[job.pid], job.size)  # so the final fsync finds little to do
+            if job.tensor is not None and job.tensor.sources:
+                maker.source(job.tensor).release(job.start, job.end)
+            return checksum, page
+
+        job_offsets = {j.pid: r for j, r in zip(jobs, rel)}
+        progress.start("converting", plan.total_bytes)
+        from threadpoolctl import threadpool_limits
+
+        # The probe's matmuls would otherwise start BLAS threads that spin against the page workers.
+        with threadpool_limits(limits=1, user_api="blas"):
+            checksums, outputs = _stream(ckpt, plan, jobs, produce, progress, state)
+        stats, quant, warnings = _summaries(plan, outputs)
+        if state.get("probe_note"):
+            warnings.append(state["probe_note"])
+        manifest = _manifest(ckpt, plan, jobs, checksums, stats, quant, state.get("probe"))
+        layout, head = head_bytes(manifest)
+        state["shift"] = move_data(fd, estimate, layout.data_off, estimate + data_len)
+        if layout.offsets != [layout.data_off + r for r in rel] or layout.file_size != layout.data_off + data_len:
+            raise ConversionError("internal error: the manifest's layout differs from the streamed one")
+        pwrite_all(fd, head, 0)
+        state.update(manifest=manifest, layout=layout, warnings=warnings)
+
+    def check(tmp: Path) -> None:  # the reader's own checks of header, manifest and page table
+        open_archive(tmp).close()
+
     try:
-        result: PackResult = pack(manifest, sources, out, force=force, progress=progress.advance)
+        write_atomically(out, force, write, check)
+    except ThinFormatError as e:
+        raise ConversionError(f"internal error: the written archive does not open: {e}") from None
+    layout = state["layout"]
+    return ConvertResult(out, layout.file_size, len(jobs), layout.archive_hash.hex(), time.perf_counter() - t0,
+                         state["manifest"], state["warnings"])
+
+
+def _page_jobs(plan: Plan) -> list[_PageJob]:
+    jobs = [_PageJob(spec.page_id(tp.name, k), (e - s) * tp.row_bytes, s, e, tensor=tp)
+            for tp in plan.tensors for k, (s, e) in enumerate(tp.pages)]
+    jobs += [_PageJob(spec.page_id(ap.file.name, k), e - s, s, e, asset=ap)
+             for ap in plan.assets for k, (s, e) in enumerate(ap.pages)]
+    return jobs
+
+
+def _stream(ckpt: Checkpoint, plan: Plan, jobs: list[_PageJob], produce: Callable[[_PageJob], tuple[str, PageOutput]],
+            progress: Progress, state: dict) -> tuple[list[str], list[PageOutput]]:
+    """Run `produce` over the pages on WORKERS threads, at most WINDOW in flight, collecting
+    results in file order; the probe thread (if any) follows the stream through a StreamGate."""
+    gate = StreamGate(plan)
+    prober = None
+    if plan.options.probe:
+        prober = _ProbeThread(ckpt, plan, gate)
+        prober.start()
+    else:
+        gate.probe_finished()
+    checksums: list[str] = []
+    outputs: list[PageOutput] = []
+    pending: dict[int, Any] = {}
+    pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="thinconv-page")
+    try:
+        submitted, k = 0, 0
+        while k < len(jobs):
+            while submitted < len(jobs) and submitted - k < WINDOW and gate.may_start(submitted):
+                pending[submitted] = pool.submit(produce, jobs[submitted])
+                submitted += 1
+            if submitted == k:  # nothing in flight: the probe is behind
+                gate.wait_start(k)
+                continue
+            checksum, page = pending.pop(k).result()
+            gate.page_done(k)
+            checksums.append(checksum)
+            outputs.append(PageOutput(np.empty(0, np.uint8), page.stats, page.qerr))  # drop the bytes
+            progress.advance(jobs[k].size)
+            k += 1
+        if prober is not None:
+            prober.join()
+            if prober.error is not None:
+                raise prober.error
+            state["probe"], state["probe_note"] = prober.probe, prober.note
     finally:
-        prefetcher.close()
-    return ConvertResult(result.path, result.size, result.page_count, result.archive_hash,
-                         time.perf_counter() - t0, manifest, warnings)
+        gate.abort()
+        for f in pending.values():
+            f.cancel()
+        pool.shutdown(wait=True)
+        if prober is not None:
+            prober.join()
+    return checksums, outputs
 
 
-def _check_output(out: Path, force: bool) -> None:
-    """Fail before any work when the output cannot be written (the packer re-checks at the end)."""
-    if out.exists() and not force:
-        raise PackError(f"{out} already exists (use --force to overwrite)")
-    folder = out.parent if str(out.parent) else Path(".")
-    if not folder.is_dir():
-        raise PackError(f"output folder {folder} does not exist")
-    if not os.access(folder, os.W_OK):
-        raise PackError(f"output folder {folder} is not writable")
-
-
-def _analyse(maker: PageMaker, plan: Plan, progress: Progress) -> tuple[list[dict], dict, dict, list[str]]:
-    """Pass 1: every tensor page's checksum, the source statistics and quantization error.
-
-    Returns (pages[] entries, validation.stats, validation.quant, warnings)."""
-
-    def one_page(job: tuple[TensorPlan, int, int, int]):
-        tp, k, s, e = job
-        page = maker.make(tp, s, e, analyse=True)
-        checksum = blake3.blake3(page.data, max_threads=blake3.blake3.AUTO).hexdigest()
-        if tp.sources:
-            maker.source(tp).release(s, e)
-        return tp, k, s, e, checksum, page
-
-    pages: list[dict] = []
+def _summaries(plan: Plan, outputs: list[PageOutput]) -> tuple[dict, dict, list[str]]:
+    """validation.stats, validation.quant and warnings from the per-page results."""
     merged: dict[str, RunningStats] = {}
     errs: dict[str, Any] = {}
-    jobs = [(tp, k, s, e) for tp in plan.tensors for k, (s, e) in enumerate(tp.pages)]
-    for tp, k, s, e, checksum, page in _ordered_map(one_page, jobs):
-        pages.append({"id": spec.page_id(tp.name, k), "tensor": tp.name, "rows": [s, e], "size": page.data.nbytes,
-                      "checksum": checksum})
-        merged.setdefault(tp.name, RunningStats()).merge(page.stats)
-        if page.qerr is not None:
-            errs.setdefault(tp.name, type(page.qerr)()).merge(page.qerr)
-        progress.advance(page.data.nbytes)
+    k = 0
+    for tp in plan.tensors:
+        for _ in tp.pages:
+            page = outputs[k]
+            merged.setdefault(tp.name, RunningStats()).merge(page.stats)
+            if page.qerr is not None:
+                errs.setdefault(tp.name, type(page.qerr)()).merge(page.qerr)
+            k += 1
     stats: dict[str, dict] = {}
     quant: dict[str, dict] = {}
     warnings: list[str] = []
@@ -409,75 +589,72 @@ def _analyse(maker: PageMaker, plan: Plan, progress: Progress) -> tuple[list[dic
                                       f"keep it in a float dtype, e.g. --keep '{tp.role}=bf16'")
         elif tp.note:
             quant[tp.name] = {"rmse": None, "max_abs_err": None, "rel_rmse": None, "note": tp.note}
-    return pages, stats, quant, warnings
+    return stats, quant, warnings
+
+
+# Typical lengths of the values only known at the end (the data_off estimate; a miss costs a shift).
+_STAT_PLACEHOLDER = {"min": -0.0830078125, "max": 0.0830078125, "mean": -1.2345678901234567e-05,
+                     "std": 0.019999999552965164, "nan": 0, "inf": 0}
+_QUANT_PLACEHOLDER = {"rmse": 0.00012345678901234567, "max_abs_err": 0.0012345678901234567, "rel_rmse": 0.012345678901234567}
+
+
+def _probe_placeholder(plan: Plan) -> dict | None:
+    if not plan.options.probe or not spec.rope_freqs_present(plan.model):
+        return None
+    from thinconv.check import PROBE_TOKENS, PROBE_TOP_K, default_tokens
+
+    tokens = default_tokens(plan.model, PROBE_TOKENS)
+    ids = [plan.model["vocab_size"] - 1] * PROBE_TOP_K
+    return {"tokens": tokens, "top_k": PROBE_TOP_K, "source_dtype": "bf16",
+            "positions": [{"ids": ids, "logits": [-12.345678901234567] * PROBE_TOP_K} for _ in tokens]}
+
+
+def _manifest(ckpt: Checkpoint, plan: Plan, jobs: list[_PageJob], checksums: list[str] | None, stats: dict,
+              quant: dict, probe: dict | None) -> dict:
+    """The archive's manifest; with checksums=None, a same-shaped estimate (placeholder values)."""
+    if checksums is None:
+        checksums = ["0" * 64] * len(jobs)
+        stats = {tp.name: dict(_STAT_PLACEHOLDER) for tp in plan.tensors if tp.name != "rope_freqs"}
+        quant = {tp.name: dict(_QUANT_PLACEHOLDER) for tp in plan.tensors if tp.quant}
+    pages = []
+    for job, checksum in zip(jobs, checksums):
+        entry = {"id": job.pid, "size": job.size, "checksum": checksum}
+        entry.update({"tensor": job.tensor.name, "rows": [job.start, job.end]} if job.tensor else {"asset": job.asset.file.name})
+        pages.append(entry)
+    assets = [{"name": ap.file.name, "media_type": ap.media_type, "size": ap.file.size,
+               "pages": [spec.page_id(ap.file.name, k) for k in range(len(ap.pages))]} for ap in plan.assets]
+    validation: dict[str, Any] = {
+        "converter": {"name": "thinconv", "version": thinconv.__version__, "recipe": plan.recipe.name,
+                      "options": plan.options.record()},
+        "source": ckpt.provenance(),
+        "stats": stats,
+    }
+    if quant:
+        validation["quant"] = quant
+    if probe is not None:
+        validation["probe"] = probe
+    return {"format": "thin", "format_version": spec.VERSION, "alignment": spec.ALIGNMENT, "model": plan.model,
+            "tensors": [_tensor_entry(tp) for tp in plan.tensors], "pages": pages, "assets": assets,
+            "runtime": {"page_size": plan.options.page_size}, "validation": validation}
+
+
+def _check_output(out: Path, force: bool) -> None:
+    """Fail before any work when the output cannot be written (the writer re-checks at the end)."""
+    if out.exists() and not force:
+        raise PackError(f"{out} already exists (use --force to overwrite)")
+    if out.is_dir():
+        raise PackError(f"{out} is a directory")
+    folder = out.parent if str(out.parent) else Path(".")
+    if not folder.is_dir():
+        raise PackError(f"output folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise PackError(f"output folder {folder} is not writable")
 
 
 def _tensor_entry(tp: TensorPlan) -> dict:
     return {"name": tp.name, "role": tp.role, "layer": tp.layer, "source": tp.sources, "shape": tp.shape,
             "dtype": tp.dtype, "quant": tp.quant, "hints": tp.hints,
             "pages": [spec.page_id(tp.name, k) for k in range(len(tp.pages))]}
-
-
-def _add_assets(plan: Plan, pages: list[dict], sources: dict[str, Any]) -> list[dict]:
-    """Asset pages (verbatim source files, after all tensor pages): hash them, add their sources."""
-    assets = []
-    for ap in plan.assets:
-        ids = []
-        for k, (s, e) in enumerate(ap.pages):
-            pid = spec.page_id(ap.file.name, k)
-            src = FilePage(ap.file.path, s, e - s)
-            h = blake3.blake3()
-            for chunk in src.chunks():
-                h.update(chunk)
-            pages.append({"id": pid, "asset": ap.file.name, "size": e - s, "checksum": h.hexdigest()})
-            sources[pid] = src
-            ids.append(pid)
-        assets.append({"name": ap.file.name, "media_type": ap.media_type, "size": ap.file.size, "pages": ids})
-    return assets
-
-
-class _Prefetcher:
-    """Produces pass-2 pages on worker threads a few pages ahead of the packer, which asks for them
-    in order; at most `ahead` + 1 pages are held at once."""
-
-    def __init__(self, jobs: list[Callable[[], np.ndarray]], done: list[Callable[[], None]], workers: int = 2,
-                 ahead: int = 2):
-        self.jobs, self.done, self.ahead = jobs, done, ahead
-        self.pool = ThreadPoolExecutor(max_workers=workers)
-        self.futures: dict[int, Any] = {}
-        self.next = 0
-
-    def get(self, i: int) -> np.ndarray:
-        while self.next < len(self.jobs) and self.next <= i + self.ahead:
-            self.futures[self.next] = self.pool.submit(self.jobs[self.next])
-            self.next += 1
-        if i > 0:
-            self.done[i - 1]()  # the packer has written page i - 1
-        future = self.futures.pop(i, None)
-        return future.result() if future is not None else self.jobs[i]()
-
-    def close(self) -> None:
-        for f in self.futures.values():
-            f.cancel()
-        self.pool.shutdown(wait=True)
-
-
-def _tensor_page_sources(maker: PageMaker, plan: Plan) -> tuple[dict[str, LazyPage], _Prefetcher]:
-    """Pass 2: each page regenerated on demand (a few ahead, on both cores) while the packer writes."""
-    sources: dict[str, LazyPage] = {}
-    jobs: list[Callable[[], np.ndarray]] = []
-    done: list[Callable[[], None]] = []
-    prefetcher = _Prefetcher(jobs, done)
-    for tp in plan.tensors:
-        for k, (s, e) in enumerate(tp.pages):
-            jobs.append(lambda tp=tp, s=s, e=e: maker.make(tp, s, e, analyse=False).data)
-            done.append((lambda tp=tp, s=s, e=e: maker.source(tp).release(s, e)) if tp.sources else (lambda: None))
-
-            def produce(i: int = len(jobs) - 1) -> list:
-                return [prefetcher.get(i)]
-
-            sources[spec.page_id(tp.name, k)] = LazyPage((e - s) * tp.row_bytes, produce)
-    return sources, prefetcher
 
 
 def select_recipe(registry, ckpt: Checkpoint, recipe_name: str | None, label: str):

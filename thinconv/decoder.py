@@ -356,7 +356,7 @@ class Decoder:
             logits = self.step(tok)
 
 
-def prefill_logits(provider: WeightProvider, tokens: list[int], chunk_values: int = 1 << 22,
+def prefill_logits(provider: WeightProvider, tokens: list[int], chunk_values: int = 1 << 19,
                    dtype: type = np.float32) -> np.ndarray:
     """Logits [len(tokens), vocab] of a short sequence, computed layer by layer.
 

@@ -8,8 +8,10 @@ destination folder, is fsynced, then renamed into place: any failure leaves no p
 from __future__ import annotations
 
 import errno
+import functools
 import math
 import os
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -234,8 +236,10 @@ def _write_zeros(f, n: int) -> None:
         n -= k
 
 
-def _write_atomically(out: Path, force: bool, write: Callable[[Any], None]) -> None:
-    """Write through a temp file in out's folder; fsync; rename. Nothing is left behind on failure."""
+def _write_atomically(out: Path, force: bool, write: Callable[[Any], None],
+                      check: Callable[[Path], None] | None = None) -> None:
+    """Write through a temp file in out's folder; fsync; `check(temp path)`; rename. Nothing is left
+    behind on failure."""
     folder = out.parent if str(out.parent) else Path(".")
     try:
         fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=folder)
@@ -247,6 +251,8 @@ def _write_atomically(out: Path, force: bool, write: Callable[[Any], None]) -> N
             write(f)
             f.flush()
             os.fsync(f.fileno())
+        if check is not None:
+            check(tmp)
         os.chmod(tmp, 0o644)
         if force:
             os.replace(tmp, out)
@@ -292,6 +298,116 @@ def _fsync_dir(folder: Path) -> None:
 
 
 write_atomically = _write_atomically
+
+
+# ---------------------------------------------------------------- streaming writes
+
+def page_offsets(sizes: list[int]) -> tuple[list[int], int]:
+    """Page offsets relative to data_off, and the data region's length (spec §1: each page starts
+    at the next 4096 multiple). They do not depend on the manifest, so pages can be written before
+    it is known; only data_off (itself a 4096 multiple) moves the whole region."""
+    offsets, cursor = [], 0
+    for size in sizes:
+        offsets.append(cursor)
+        cursor = spec.align_up(cursor + size)
+    return offsets, (offsets[-1] + sizes[-1]) if sizes else 0
+
+
+def head_bytes(manifest: dict) -> tuple[Layout, bytes]:
+    """Validate `manifest` and return its layout and the bytes before data_off that carry content
+    (header, manifest, page table); the rest up to data_off is zeros."""
+    validate_manifest(manifest).raise_if_invalid("manifest", PackError)
+    layout = plan_layout(manifest)
+    return layout, layout.header(len(manifest["pages"])) + layout.manifest_bytes + layout.page_table
+
+
+def pwrite_all(fd: int, data: Any, offset: int) -> None:
+    """os.pwrite until every byte is written (a regular file may take a write in parts)."""
+    view = byte_view(data)
+    while view.nbytes:
+        n = os.pwrite(fd, view, offset)
+        if n <= 0:
+            raise OSError(errno.EIO, "short write")
+        view, offset = view[n:], offset + n
+
+
+_FALLOC_FL_COLLAPSE_RANGE, _FALLOC_FL_INSERT_RANGE = 0x08, 0x20
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def start_writeback(fd: int, offset: int, length: int) -> None:
+    """Ask the kernel to start writing [offset, offset + length) to disk now, without waiting
+    (Linux sync_file_range); elsewhere a no-op. The final fsync then has little left to do."""
+    fn = _libc_function("sync_file_range")
+    if fn is not None:
+        fn(fd, offset, length, _SYNC_FILE_RANGE_WRITE)  # advisory: an error only means no head start
+
+
+@functools.lru_cache(maxsize=None)
+def _libc_function(name: str):
+    """A libc function taking (int, int64, int64, int) or (int, int, int64, int64), or None."""
+    import ctypes
+    import ctypes.util
+
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        fn = getattr(libc, name + "64", None) or getattr(libc, name)
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_int
+    fn.argtypes = {"sync_file_range": [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint],
+                   "fallocate": [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]}[name]
+    return fn
+
+
+def move_data(fd: int, old_off: int, new_off: int, end: int) -> str:
+    """Move the file's bytes [old_off, end) to start at new_off, leaving zeros before them.
+
+    Used when a streamed data region was laid out at an estimated data_off and the finished
+    manifest puts it elsewhere (by whole 4096-byte steps). Linux ext4 and XFS do it in the file's
+    extent map (fallocate collapse/insert range: no data copied); elsewhere the bytes are copied
+    in 8 MiB steps. Returns "none", "fallocate" or "copy"."""
+    delta = new_off - old_off
+    if delta == 0:
+        return "none"
+    try:
+        if delta < 0:
+            _fallocate(fd, _FALLOC_FL_COLLAPSE_RANGE, new_off, -delta)
+        else:
+            _fallocate(fd, _FALLOC_FL_INSERT_RANGE, old_off, delta)
+        return "fallocate"
+    except OSError:
+        pass  # unsupported here (filesystem, block size, OS): copy instead
+    length = end - old_off
+    starts = range(0, length, CHUNK)
+    for start in (reversed(starts) if delta > 0 else starts):  # memmove order: never read a clobbered byte
+        block = os.pread(fd, min(CHUNK, length - start), old_off + start)
+        pwrite_all(fd, block, new_off + start)
+    if delta > 0:
+        _write_zeros_at(fd, old_off, delta)
+    else:
+        os.ftruncate(fd, end + delta)
+    return "copy"
+
+
+def _write_zeros_at(fd: int, offset: int, n: int) -> None:
+    while n > 0:
+        k = min(n, CHUNK)
+        pwrite_all(fd, bytes(k), offset)
+        offset, n = offset + k, n - k
+
+
+def _fallocate(fd: int, mode: int, offset: int, length: int) -> None:
+    import ctypes
+
+    fn = _libc_function("fallocate")
+    if fn is None:
+        raise OSError(errno.ENOTSUP, "fallocate is not available")
+    if fn(fd, mode, offset, length) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
 
 
 def split_rows(n_rows: int, row_bytes: int, page_size: int) -> list[tuple[int, int]]:
