@@ -195,12 +195,22 @@ class TensorSource:
         return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
 
+_BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
 def _widened(x: np.ndarray) -> np.ndarray:
-    """x as float32 (float64 stays) in a reused per-thread buffer."""
-    if x.dtype == np.float64:
-        return x
+    """x as float32 (float64 stays) in a reused per-thread buffer.
+
+    bf16 is the top half of an f32, so it widens by a 16-bit shift: exact for every pattern, and
+    a plain numpy integer loop, which releases the GIL (ml_dtypes' own casts hold it, which
+    would serialize the page threads)."""
+    if x.dtype in (np.float64, np.float32):
+        return np.ascontiguousarray(x)
     out = _scratch(x.size, np.float32, "wide").reshape(x.shape)
-    np.copyto(out, x, casting="unsafe")
+    if x.dtype == _BF16:
+        np.left_shift(x.view(np.uint16), 16, out=out.view(np.uint32), dtype=np.uint32)
+    else:
+        np.copyto(out, x, casting="unsafe")
     return out
 
 
@@ -211,7 +221,8 @@ def _as_bytes(a: np.ndarray) -> np.ndarray:
 
 @dataclass
 class PageOutput:
-    data: np.ndarray  # the page's bytes, uint8
+    """What producing a page measured (its bytes went to `emit`)."""
+
     stats: RunningStats | None = None  # source-value statistics
     qerr: Any = None  # thinconv.quant.QuantErrorStats of a block-quantized page
 
@@ -222,8 +233,9 @@ CHUNK_VALUES = 1 << 20  # values per work chunk: temporaries stay a few MiB what
 class PageMaker:
     """Produces the exact bytes of every page of a plan (deterministic: the same on any host).
 
-    Work inside a page runs in row chunks of ~CHUNK_VALUES values, so besides the page's own
-    output buffer only a few MiB of temporaries exist per page in flight."""
+    A page is produced in row chunks of ~CHUNK_VALUES values, each handed to `emit` (which hashes
+    and writes it) and its source rows dropped from memory before the next: no page-sized buffer
+    exists, only a few MiB of per-thread temporaries."""
 
     def __init__(self, ckpt: Checkpoint, plan: Plan):
         self.ckpt, self.plan = ckpt, plan
@@ -235,57 +247,66 @@ class PageMaker:
             self._sources[tp.name] = TensorSource(self.ckpt, tp, self.plan.model, self.plan.recipe.path)
         return self._sources[tp.name]
 
-    def make(self, tp: TensorPlan, start: int, end: int) -> PageOutput:
-        """Page bytes for output rows [start, end) of `tp`, with the source values' statistics
-        (and the quantization error of a block-quantized page)."""
+    def make(self, tp: TensorPlan, start: int, end: int, emit: Callable[[np.ndarray], None]) -> PageOutput:
+        """Emit the bytes of output rows [start, end) of `tp` in order; return what was measured:
+        the source values' statistics, and the quantization error of a block-quantized page."""
         stats = RunningStats()
         if tp.name == "rope_freqs":
             if self._rope is None:
                 self._rope = np.ascontiguousarray(model_rope_freqs(self.plan.model), dtype="<f4")
             stats.add(self._rope)
-            return PageOutput(_as_bytes(self._rope), stats)
-        src = self.source(tp).rows(start, end)
-        step = max(1, CHUNK_VALUES // (src.shape[1] if src.ndim == 2 else 1))
-        chunks = [(a, min(a + step, src.shape[0])) for a in range(0, src.shape[0], step)]
+            emit(_as_bytes(self._rope))
+            return PageOutput(stats)
+        source = self.source(tp)
+        step = max(1, CHUNK_VALUES // (tp.shape[1] if len(tp.shape) == 2 else 1))
+        qerr = None
         if tp.dtype in spec.BLOCK_DTYPES:
-            return self._quantize(tp, src, chunks, stats)
-        want = NUMPY_OUT[tp.dtype]
-        if src.dtype == want:  # passthrough: the page is a view of the source
-            for a, b in chunks:
-                stats.add(_widened(src[a:b]))
-            return PageOutput(_as_bytes(src), stats)
-        out = np.empty(src.shape, want)
-        limit = float(ml_dtypes.finfo(want).max)
-        for a, b in chunks:
-            wide = _widened(src[a:b])  # exact: every source dtype widens to f32 (f64 stays f64)
-            part = stats.add(wide)
-            # Cast from the exact wide values: equal to a direct cast (tests/test_casts.py checks
-            # bf16 ↔ f16 on all 65,536 inputs) and faster. Overflow is reported below, not warned.
-            with np.errstate(over="ignore", invalid="ignore"):
-                out[a:b] = wide
-            if part.count and max(-part.lo, part.hi) > limit:
-                self._check_range(tp, wide, out[a:b], want)
-        return PageOutput(_as_bytes(out), stats)
+            from thinconv.quant import QuantErrorStats
+
+            qerr = QuantErrorStats()
+        for a in range(start, end, step):
+            b = min(a + step, end)
+            src = source.rows(a, b)
+            if qerr is not None:
+                emit(self._quantize(tp, src, stats, qerr))
+            else:
+                emit(self._cast(tp, src, stats))
+            source.release(a, b)
+        return PageOutput(stats, qerr)
 
     @staticmethod
-    def _quantize(tp: TensorPlan, src: np.ndarray, chunks: list[tuple[int, int]], stats: RunningStats) -> PageOutput:
-        from thinconv.quant import NonFiniteError, QuantErrorStats, dequantize_rows, quantize_rows
+    def _cast(tp: TensorPlan, src: np.ndarray, stats: RunningStats) -> np.ndarray:
+        want = NUMPY_OUT[tp.dtype]
+        wide = _widened(src)  # exact: every source dtype widens to f32 (f64 stays f64)
+        part = stats.add(wide)
+        if src.dtype == want:  # passthrough: the chunk is a view of the source
+            return _as_bytes(src)
+        out = _scratch(src.size, want, "out").reshape(src.shape)
+        # Cast from the exact wide values: equal to a direct cast (tests/test_casts.py checks
+        # bf16 ↔ f16 on all 65,536 inputs) and faster. Overflow is reported below, not warned.
+        with np.errstate(over="ignore", invalid="ignore"):
+            out[...] = wide
+        if part.count and max(-part.lo, part.hi) > float(ml_dtypes.finfo(want).max):
+            PageMaker._check_range(tp, wide, out, want)
+        return _as_bytes(out)
 
-        out = np.empty((src.shape[0], tp.row_bytes), np.uint8)
-        qerr = QuantErrorStats()
-        for a, b in chunks:
-            # The quantizer's input: the source upcast to f32 (an f64 source rounded to f32).
-            src32 = src[a:b].astype(np.float32) if src.dtype == np.float64 else _widened(src[a:b])
-            try:
-                quantize_rows(src32, tp.dtype, out=out[a:b])
-            except NonFiniteError:
-                raise ConversionError(f"tensor {tp.name} ({', '.join(tp.sources)}) holds values that are NaN or Inf in "
-                                      f"float32, which {tp.dtype} cannot represent; keep it in a float dtype or fix the "
-                                      f"checkpoint") from None
-            stats.add(src32)
-            with np.errstate(all="ignore"):  # an overflowing block scale is reported as one error later
-                qerr.accumulate(src32, dequantize_rows(out[a:b], tp.dtype, tp.shape[1]))
-        return PageOutput(_as_bytes(out), stats, qerr)
+    @staticmethod
+    def _quantize(tp: TensorPlan, src: np.ndarray, stats: RunningStats, qerr: Any) -> np.ndarray:
+        from thinconv.quant import NonFiniteError, dequantize_rows, quantize_rows
+
+        # The quantizer's input: the source upcast to f32 (an f64 source rounded to f32).
+        src32 = src.astype(np.float32) if src.dtype == np.float64 else _widened(src)
+        out = _scratch(src.shape[0] * tp.row_bytes, np.uint8, "out").reshape(src.shape[0], tp.row_bytes)
+        try:
+            quantize_rows(src32, tp.dtype, out=out)
+        except NonFiniteError:
+            raise ConversionError(f"tensor {tp.name} ({', '.join(tp.sources)}) holds values that are NaN or Inf in "
+                                  f"float32, which {tp.dtype} cannot represent; keep it in a float dtype or fix the "
+                                  f"checkpoint") from None
+        stats.add(src32)
+        with np.errstate(all="ignore"):  # an overflowing block scale is reported as one error later
+            qerr.accumulate(src32, dequantize_rows(out, tp.dtype, tp.shape[1]))
+        return _as_bytes(out)
 
     @staticmethod
     def _check_range(tp: TensorPlan, src: np.ndarray, out: np.ndarray, want: np.dtype) -> None:
@@ -311,6 +332,7 @@ class ConvertResult:
     seconds: float
     manifest: dict
     warnings: list[str] = field(default_factory=list)
+    layout_shift: str = "none"  # how the data region reached its final data_off: none | fallocate | copy
 
     @property
     def quant_overall(self) -> dict | None:
@@ -459,20 +481,29 @@ def convert(ckpt: Checkpoint, plan: Plan, out: str | os.PathLike, *, force: bool
         fd = f.fileno()
 
         def produce(job: _PageJob) -> tuple[str, PageOutput]:
+            """Make one page, hash it and write it at its offset, chunk by chunk."""
+            hasher, offset = blake3.blake3(), estimate + job_offsets[job.pid]
+            cursor = offset
+
+            def emit(chunk: np.ndarray) -> None:
+                nonlocal cursor
+                if cursor - offset + chunk.nbytes > job.size:
+                    raise ConversionError(f"page {job.pid}: produced more than the {job.size} bytes the plan says")
+                hasher.update(chunk)
+                pwrite_all(fd, chunk, cursor)
+                cursor += chunk.nbytes
+
             if job.tensor is not None:
-                page = maker.make(job.tensor, job.start, job.end)
+                page = maker.make(job.tensor, job.start, job.end, emit)
             else:
+                page = PageOutput()
                 with open(job.asset.file.path, "rb") as src:
                     src.seek(job.start)
-                    page = PageOutput(np.frombuffer(src.read(job.size), np.uint8))
-            if page.data.nbytes != job.size:
-                raise ConversionError(f"page {job.pid}: produced {page.data.nbytes} bytes, the plan says {job.size}")
-            checksum = blake3.blake3(page.data).hexdigest()
-            pwrite_all(fd, page.data, estimate + job_offsets[job.pid])
-            start_writeback(fd, estimate + job_offsets[job.pid], job.size)  # so the final fsync finds little to do
-            if job.tensor is not None and job.tensor.sources:
-                maker.source(job.tensor).release(job.start, job.end)
-            return checksum, page
+                    emit(np.frombuffer(src.read(job.size), np.uint8))
+            if cursor - offset != job.size:
+                raise ConversionError(f"page {job.pid}: produced {cursor - offset} bytes, the plan says {job.size}")
+            start_writeback(fd, offset, job.size)  # so the final fsync finds little to do
+            return hasher.hexdigest(), page
 
         job_offsets = {j.pid: r for j, r in zip(jobs, rel)}
         progress.start("converting", plan.total_bytes)
@@ -501,7 +532,7 @@ def convert(ckpt: Checkpoint, plan: Plan, out: str | os.PathLike, *, force: bool
         raise ConversionError(f"internal error: the written archive does not open: {e}") from None
     layout = state["layout"]
     return ConvertResult(out, layout.file_size, len(jobs), layout.archive_hash.hex(), time.perf_counter() - t0,
-                         state["manifest"], state["warnings"])
+                         state["manifest"], state["warnings"], state["shift"])
 
 
 def _page_jobs(plan: Plan) -> list[_PageJob]:
@@ -539,7 +570,7 @@ def _stream(ckpt: Checkpoint, plan: Plan, jobs: list[_PageJob], produce: Callabl
             checksum, page = pending.pop(k).result()
             gate.page_done(k)
             checksums.append(checksum)
-            outputs.append(PageOutput(np.empty(0, np.uint8), page.stats, page.qerr))  # drop the bytes
+            outputs.append(page)
             progress.advance(jobs[k].size)
             k += 1
         if prober is not None:
