@@ -216,3 +216,19 @@ def test_no_partial_pages_in_an_archive_written_in_one_pass(ckpts, reference):
             report = a.verify()
             assert report.ok, report.failures
             assert report.bytes_checked == sum(p.size for p in a.pages)
+
+
+def test_conversion_imports_neither_transformers_nor_torch(ckpts, tmp_path):
+    """A default conversion (probe included) needs numpy, not the reference frameworks."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom thinconv.cli import main\n"
+            f"sys.argv = ['thinconv', 'convert', {str(ckpts['qwen2'].path)!r}, {str(tmp_path / 'o.thin')!r}]\n"
+            "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+            "print('HEAVY=' + ','.join(m for m in ('torch', 'transformers') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().endswith("HEAVY="), r.stdout
+    with open_archive(tmp_path / "o.thin") as a:
+        assert "probe" in a.manifest["validation"]

@@ -292,20 +292,21 @@ class PageMaker:
 
     @staticmethod
     def _quantize(tp: TensorPlan, src: np.ndarray, stats: RunningStats, qerr: Any) -> np.ndarray:
-        from thinconv.quant import NonFiniteError, dequantize_rows, quantize_rows
+        from thinconv.quant import NonFiniteError, quantize_rows
 
-        # The quantizer's input: the source upcast to f32 (an f64 source rounded to f32).
-        src32 = src.astype(np.float32) if src.dtype == np.float64 else _widened(src)
+        # The quantizer's input: the source upcast exactly to f32 (the quantizer does it tile by
+        # tile; an f64 source is rounded to f32 first). It adds the error of these rows to qerr.
+        if src.dtype == np.float64:
+            src = src.astype(np.float32)
         out = _scratch(src.shape[0] * tp.row_bytes, np.uint8, "out").reshape(src.shape[0], tp.row_bytes)
         try:
-            quantize_rows(src32, tp.dtype, out=out)
+            with np.errstate(all="ignore"):  # an overflowing block scale is reported as one error later
+                quantize_rows(src, tp.dtype, out=out, report=qerr)
         except NonFiniteError:
             raise ConversionError(f"tensor {tp.name} ({', '.join(tp.sources)}) holds values that are NaN or Inf in "
                                   f"float32, which {tp.dtype} cannot represent; keep it in a float dtype or fix the "
                                   f"checkpoint") from None
-        stats.add(src32)
-        with np.errstate(all="ignore"):  # an overflowing block scale is reported as one error later
-            qerr.accumulate(src32, dequantize_rows(out, tp.dtype, tp.shape[1]))
+        stats.add(_widened(src))
         return _as_bytes(out)
 
     @staticmethod
