@@ -626,3 +626,38 @@ def test_default_workers_fit_cores_and_memory(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
     monkeypatch.setattr(B, "_available_memory", lambda: None)
     assert B.default_workers() == 1
+
+
+def test_workers_stop_when_the_batch_is_killed_hard(ckpts, tmp_path, slow_env):
+    """SIGKILL cannot be handled by the batch itself: its workers notice (the pipe to the parent
+    breaks; on Linux also a parent-death signal), stop and remove their temp files; the next run
+    removes any temp file left and completes."""
+    out = tmp_path / "out"
+    out.mkdir()
+    src = str(ckpts["llama2"].path)
+    jobs_file = write_jobs(tmp_path / "jobs.toml", [
+        {"source": src, "out": "out/fast.thin", "recipe": "llama"},
+        {"source": src, "out": "out/slow.thin", "recipe": "slowllama"},
+    ], defaults={"probe": False})
+    report = tmp_path / "r.jsonl"
+    env = {**os.environ, **slow_env}
+    proc = subprocess.Popen([str(BIN), "batch", str(jobs_file), "--workers", "1", "--report", str(report)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not (report.exists() and report.read_text().count("\n") >= 1):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
+        time.sleep(0.3)
+        proc.kill()
+        proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    time.sleep(2.5)  # the slow job would have finished by now had its worker run on
+    assert sorted(p.name for p in out.iterdir()) == ["fast.thin"]
+    assert [rec["job"] for rec in report_lines(report)] == [1]
+    r = subprocess.run([str(BIN), "batch", str(jobs_file), "--workers", "1", "--report", str(report)],
+                       capture_output=True, text=True, env={**env, "SLOWTHIN_SECONDS": "0"}, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert [rec["status"] for rec in report_lines(report)] == ["skipped", "done"]

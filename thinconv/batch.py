@@ -483,7 +483,6 @@ class JobResult:
     archive_hash: str | None = None
     error: str | None = None
     warnings: list[str] = field(default_factory=list)
-    note: str | None = None  # why the job ran (not in the report)
 
     def record(self) -> dict:
         return {"job": self.job, "source": self.source, "out": self.out, "status": self.status,
@@ -659,7 +658,7 @@ class _Stop(BaseException):
     """Raised in a worker by SIGINT / SIGTERM, so the converter's temp-file cleanup runs."""
 
 
-def _worker_main(conn, recipe_dirs: list[str]) -> None:
+def _worker_main(conn, recipe_dirs: list[str], parent: int) -> None:
     """A worker process: run the tasks the parent sends, one at a time, until told to stop."""
     stopping = [False]
 
@@ -670,6 +669,7 @@ def _worker_main(conn, recipe_dirs: list[str]) -> None:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    _die_with_parent(parent)
     if hasattr(signal, "SIGXFSZ"):  # a file-size limit is a write error we clean up after, not a kill
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     lock = threading.Lock()
@@ -709,6 +709,20 @@ def _worker_main(conn, recipe_dirs: list[str]) -> None:
             send(("result", result))
     except (_Stop, EOFError, OSError):
         return
+
+
+def _die_with_parent(parent: int) -> None:
+    """Linux: SIGTERM this worker when the batch process (pid `parent`) dies, even by SIGKILL (its
+    conversion then stops and removes its temp file instead of running on unattended)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 class _PipeProgress:
@@ -923,7 +937,7 @@ def _dispatch(pending: list[Planned], n_workers: int, recipe_dirs: list[str], do
 
     def spawn() -> _Worker:
         parent_end, child_end = ctx.Pipe()
-        proc = ctx.Process(target=_worker_main, args=(child_end, recipe_dirs), name="thinconv-batch-worker",
+        proc = ctx.Process(target=_worker_main, args=(child_end, recipe_dirs, os.getpid()), name="thinconv-batch-worker",
                            daemon=True)
         proc.start()
         child_end.close()
@@ -958,6 +972,9 @@ def _dispatch(pending: list[Planned], n_workers: int, recipe_dirs: list[str], do
         w.conn.close()
 
     queue_ = list(pending)
+    if pending:
+        observer.message(f"{len(pending)} job{'s' * (len(pending) != 1)} to check or convert on {n_workers} "
+                         f"worker process{'es' * (n_workers != 1)}")
     try:
         while (queue_ or any(w.job for w in pool)) and not stop.is_set():
             while True:
