@@ -661,3 +661,30 @@ def test_workers_stop_when_the_batch_is_killed_hard(ckpts, tmp_path, slow_env):
                        capture_output=True, text=True, env={**env, "SLOWTHIN_SECONDS": "0"}, timeout=120)
     assert r.returncode == 0, r.stderr
     assert [rec["status"] for rec in report_lines(report)] == ["skipped", "done"]
+
+
+def test_report_folder_missing_is_a_usage_error(ckpts, tmp_path):
+    jobs_file = write_jobs(tmp_path / "jobs.toml", [{"source": str(ckpts["llama2"].path), "out": "a.thin"}])
+    r = batch(jobs_file, "--report", tmp_path / "nope" / "r.jsonl")
+    assert r.exit_code == 2 and "--report" in r.stderr and "Traceback" not in r.output
+    assert not (tmp_path / "a.thin").exists()
+
+
+def test_live_view_renders_running_jobs_and_failures(tmp_path):
+    from rich.console import Console
+
+    from thinconv import cli
+    from thinconv.plan import ConvertOptions
+
+    view = cli.LiveBatchView(3)
+    job = B.Job(1, "org/model", tmp_path / "m-q8.thin", ConvertOptions(dtype="q8_0"), hub=True)
+    view.job_started(job, "no archive yet")
+    view.job_progress(job, "analysing", 1 << 20, 4 << 20)
+    view.job_progress(job, "writing", 2 << 20, 4 << 20)
+    view.finished["failed"] += 1
+    console = Console(record=True, width=160, file=open(os.devnull, "w"))
+    console.print(view.render())
+    text = console.export_text()
+    assert "org/model" in text and "m-q8.thin" in text and "writing" in text and "2.0 MiB / 4.0 MiB 50 %" in text
+    assert "1/3 finished: 0 done, 0 skipped, 1 failed; 1 running" in text
+    assert view.running[1]["before"] == 1 << 20  # bytes of the finished phase count towards bytes/s

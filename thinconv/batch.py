@@ -880,7 +880,10 @@ def run_batch(jobs: list[Job], *, workers: int | None = None, report: str | os.P
     summary = Summary([])
     report_file = None
     if report is not None:
-        report_file = open(report, "w", encoding="utf-8")
+        try:
+            report_file = open(report, "w", encoding="utf-8")
+        except OSError as e:
+            raise UsageError(f"--report {report}: cannot write ({e.strerror or e})") from None
         for line in keep_lines or []:
             report_file.write(json.dumps(line, ensure_ascii=False) + "\n")
         report_file.flush()
