@@ -59,10 +59,6 @@ class Job:
     revision: str | None = None  # hub sources only
     hub: bool = False
 
-    @property
-    def label(self) -> str:
-        return f"job {self.index} ({self.out.name})"
-
 
 def load_jobs(path: str | os.PathLike, *, registry=None) -> list[Job]:
     """Read and validate a jobs file: TOML (``[defaults]`` + ``[[job]]``) or JSON Lines (one job

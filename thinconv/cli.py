@@ -510,8 +510,8 @@ class LiveBatchView(PlainBatchLog):
 
 
 @app.command("batch")
-def batch_cmd(jobs_file: Path = typer.Argument(..., help="Jobs file: TOML ([defaults] + [[job]]) or JSON Lines; "
-                                               "see docs/batch.md."),
+def batch_cmd(jobs_file: Path = typer.Argument(..., help="Jobs file, TOML or JSON Lines (schema: "
+                                               "docs/batch.md)."),
               workers: Optional[int] = typer.Option(None, "--workers", help="Parallel conversions (default: what "
                                                     "fits the cores and memory)."),
               shard: Optional[str] = typer.Option(None, "--shard", help="I/N: run only shard I of N (0 ≤ I < N); "
