@@ -312,9 +312,11 @@ page_size = "12 parsecs"
         ("job 3 (out/typo.thin)", "field 'strict'", "true or false"),
         ("job 4 (out/ok.thin)", "field 'out'", "also the output of job 1"),
         ("job 5 (missing-folder/x.thin)", "field 'keep'", "ROLE_GLOB=DTYPE"),
+        ("job 5 (missing-folder/x.thin)", "field 'out'", "missing-folder does not exist"),
         ("job 6 (out/no-source.thin)", "field 'source': missing"),
         ("job 7 (out/rev.thin)", "field 'recipe'", "no-such-recipe"),
         ("job 7 (out/rev.thin)", "field 'page_size'", "12 parsecs"),
+        ("job 7 (out/rev.thin)", "field 'revision'", "only to hub repo ids"),
     ]
     for needles in expected:
         assert any(all(n in ln for n in needles) and ln.startswith("error: jobs.toml: ") for ln in errors), \

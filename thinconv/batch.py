@@ -219,41 +219,49 @@ def _check_field(key: str, value: Any, registry) -> tuple[Any, str | None]:
 
 def _check_job(index: int, entry: dict, defaults: dict, bad_defaults: set[str], base: Path,
                registry) -> tuple[Job | None, list[str]]:
+    """(the job, []) or (None, every problem of this entry)."""
     from thinconv.checkpoint.source import _looks_like_repo_id
 
     problems = [f"unknown field {k!r} (fields: {', '.join(JOB_KEYS)})" for k in entry if k not in JOB_KEYS]
     values = dict(defaults)
+    bad = set(bad_defaults)
     for key, value in entry.items():
         if key in JOB_KEYS:
+            bad.discard(key)
             parsed, problem = _check_field(key, value, registry)
             if problem:
                 problems.append(f"field {key!r}: {problem}")
+                bad.add(key)
             else:
                 values[key] = parsed
     for key in ("source", "out"):
-        if key not in values and key not in entry and key not in bad_defaults:
+        if key not in values and key not in bad:
             problems.append(f"field {key!r}: missing")
-    if problems or bad_defaults:
-        return None, problems
-    raw_source = values["source"]
-    local = (base / Path(raw_source).expanduser())
-    if local.is_dir():
-        source, hub = str(local.resolve()), False
-    elif not Path(raw_source).is_absolute() and _looks_like_repo_id(raw_source) and not local.exists():
-        source, hub = raw_source, True
-    elif local.exists():
-        return None, [f"field 'source': {local} is a file, expected a checkpoint folder or a hub repo id (org/name)"]
-    else:
-        return None, [f"field 'source': no such folder {local}, and {raw_source!r} is not a hub repo id (org/name)"]
+    source, hub = None, False
+    if "source" in values and "source" not in bad:
+        raw_source = values["source"]
+        local = base / Path(raw_source).expanduser()
+        if local.is_dir():
+            source = str(local.resolve())
+        elif not Path(raw_source).is_absolute() and _looks_like_repo_id(raw_source) and not local.exists():
+            source, hub = raw_source, True
+        elif local.exists():
+            problems.append(f"field 'source': {local} is a file, expected a checkpoint folder or a hub repo id "
+                            f"(org/name)")
+        else:
+            problems.append(f"field 'source': no such folder {local}, and {raw_source!r} is not a hub repo id "
+                            f"(org/name)")
     revision = values.get("revision")
-    if revision is not None and not hub:
+    if revision is not None and source is not None and not hub:
         problems.append(f"field 'revision': {revision!r} applies only to hub repo ids; {source} is a local folder")
-    out = (base / Path(values["out"]).expanduser()).resolve()
-    if out.is_dir():
-        problems.append(f"field 'out': {out} is a folder; name the .thin file to write")
-    elif not out.parent.is_dir():
-        problems.append(f"field 'out': the output folder {out.parent} does not exist")
-    if problems:
+    out = None
+    if "out" in values and "out" not in bad:
+        out = (base / Path(values["out"]).expanduser()).resolve()
+        if out.is_dir():
+            problems.append(f"field 'out': {out} is a folder; name the .thin file to write")
+        elif not out.parent.is_dir():
+            problems.append(f"field 'out': the output folder {out.parent} does not exist")
+    if problems or bad or source is None or out is None:
         return None, problems
     try:
         options = ConvertOptions(dtype=values.get("dtype", "auto"), page_size=values.get("page_size", DEFAULT_PAGE_SIZE),
