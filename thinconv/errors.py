@@ -33,3 +33,11 @@ class ConversionError(ThinError):
 
 class UsageError(ThinError):
     """A command-line option has an invalid value (exit code 2)."""
+
+
+class JobsFileError(UsageError):
+    """A batch jobs file is invalid (exit code 2); `problems` lists every problem found, one line each."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__("\n".join(self.problems))
