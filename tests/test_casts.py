@@ -14,3 +14,26 @@ def test_direct_cast_equals_the_route_through_f32_on_every_input(src, dst):
     nan = np.isnan(via_f32.astype(np.float32))
     assert np.array_equal(direct.view(np.uint16)[~nan], via_f32.view(np.uint16)[~nan])
     assert np.isnan(direct.astype(np.float32)[nan]).all()
+
+
+def test_integer_bf16_to_f16_equals_numpy_on_every_input():
+    """The converter's fast bf16 → f16 (bit arithmetic, numpy's cast only off f16's normal range)."""
+    from thinconv.convert import _bf16_to_f16
+
+    x = np.arange(65536, dtype=np.uint16).view(ml_dtypes.bfloat16)
+    with np.errstate(all="ignore"):
+        want = x.astype(np.float32).astype(np.float16)
+    for order in (np.arange(65536), np.random.default_rng(0).permutation(65536)):  # odd values anywhere
+        got = np.empty(65536, np.float16)
+        _bf16_to_f16(x[order], got)
+        assert np.array_equal(got.view(np.uint16), want[order].view(np.uint16))  # NaN payloads included
+
+
+def test_integer_bf16_to_f16_on_a_2d_chunk_of_normal_values():
+    from thinconv.convert import _bf16_to_f16
+
+    x = (np.random.default_rng(1).standard_normal((64, 96)).astype(np.float32) * 0.05).astype(ml_dtypes.bfloat16)
+    x[3, 5] = 0  # one value off the fast path
+    got = np.empty(x.shape, np.float16)
+    _bf16_to_f16(x, got)
+    assert np.array_equal(got.view(np.uint16), x.astype(np.float32).astype(np.float16).view(np.uint16))

@@ -56,6 +56,9 @@ class TensorEntry:
     path: Path
 
 
+_FAULT_AROUND = 64 * 1024  # /proc/sys/vm/fault_around_bytes' default
+
+
 class SafetensorsFile:
     """An open, validated SafeTensors file mapped read-only into memory."""
 
@@ -94,7 +97,11 @@ class SafetensorsFile:
 
         entry = self.entries.get(name)
         if entry is not None and self._mmap is not None and end > start:
-            drop_resident(self._mmap, entry.offset + start, end - start)
+            # Widened by the kernel's fault-around (64 KiB): reading a byte maps its cached
+            # neighbours too, which would otherwise stay resident past a tensor's ends. A
+            # neighbour still in use is simply mapped again from the page cache.
+            lo = max(0, entry.offset + start - _FAULT_AROUND)
+            drop_resident(self._mmap, lo, entry.offset + end + _FAULT_AROUND - lo)
 
     def close(self) -> None:
         """Release the mapping; views already handed out keep it alive until they are freed."""
