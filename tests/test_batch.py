@@ -504,6 +504,7 @@ def test_hub_source_is_downloaded_once_and_pinned(ckpts, tmp_path, monkeypatch):
         with open_archive(tmp_path / f"hub-{d}.thin") as a:
             src = a.manifest["validation"]["source"]
             assert (src["repo_id"], src["commit"]) == (HUB_REPO, COMMIT_A)
+            assert src["revision"] == "main"  # as the job asked: the archive `thinconv convert` writes
             assert a.verify().ok
     # a rerun skips everything and downloads nothing
     calls.clear()

@@ -768,8 +768,11 @@ def _run_task(job: Job, commit: str | None, mode: str, registry, send) -> JobRes
         if report is not None and report.ok:
             return _result(job, "skipped", seconds=time.perf_counter() - t0, bytes_in=_bytes_in(manifest),
                            bytes_out=job.out.stat().st_size, archive_hash=a.header.archive_hash.hex())
+    # Pinned to the commit the batch resolved (and downloaded); the archive records the revision
+    # as the job names it, so it is the archive `thinconv convert` would write.
     result = convert_source(job.source, job.out, options=job.options, recipe=job.recipe,
-                            revision=commit if job.hub else None, force=True, registry=registry, progress=progress)
+                            revision=job.revision if job.hub else None, commit=commit if job.hub else None,
+                            force=True, registry=registry, progress=progress)
     return _result(job, "done", seconds=time.perf_counter() - t0, bytes_in=_bytes_in(result.manifest),
                    bytes_out=result.size, archive_hash=result.archive_hash, warnings=list(result.warnings))
 

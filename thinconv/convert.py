@@ -727,27 +727,31 @@ def select_recipe(registry, ckpt: Checkpoint, recipe_name: str | None, label: st
 
 @contextmanager
 def open_plan(src: str | os.PathLike, options: "ConvertOptions | None" = None, *, recipe: str | None = None,
-              revision: str | None = None, token: str | None = None, registry=None) -> Iterator[tuple[Checkpoint, Plan]]:
+              revision: str | None = None, token: str | None = None, registry=None,
+              commit: str | None = None) -> Iterator[tuple[Checkpoint, Plan]]:
     """Open a local checkpoint folder or a hub repo id and plan its conversion (no tensor data read).
 
     Hub files come through the HF cache; `token` defaults to $HF_TOKEN, `registry` to the built-in
     and $THINCONV_RECIPES recipes; the recipe is `recipe` or the one for config.json's architecture.
-    The checkpoint stays open inside the `with` block."""
+    `commit` pins a hub source to a commit resolved earlier (see open_checkpoint). The
+    checkpoint stays open inside the `with` block."""
     from thinconv.checkpoint.source import open_checkpoint
     from thinconv.plan import ConvertOptions, plan_conversion
     from thinconv.recipe import load_registry
 
     registry = registry if registry is not None else load_registry([])
     token = token if token is not None else os.environ.get("HF_TOKEN")
-    with open_checkpoint(src, revision=revision, token=token) as ckpt:
+    with open_checkpoint(src, revision=revision, token=token, commit=commit) as ckpt:
         yield ckpt, plan_conversion(ckpt, select_recipe(registry, ckpt, recipe, str(src)), options or ConvertOptions())
 
 
 def convert_source(src: str | os.PathLike, out: str | os.PathLike, *, options: "ConvertOptions | None" = None,
                    recipe: str | None = None, revision: str | None = None, token: str | None = None,
-                   force: bool = False, registry=None, progress: Progress | None = None) -> ConvertResult:
+                   force: bool = False, registry=None, progress: Progress | None = None,
+                   commit: str | None = None) -> ConvertResult:
     """Convert a local checkpoint folder or a hub repo id to a .thin archive at `out` (what
     `thinconv convert` runs); arguments as for :func:`open_plan` and :func:`convert`."""
     _check_output(Path(out), force)
-    with open_plan(src, options, recipe=recipe, revision=revision, token=token, registry=registry) as (ckpt, plan):
+    with open_plan(src, options, recipe=recipe, revision=revision, token=token, registry=registry,
+                   commit=commit) as (ckpt, plan):
         return convert(ckpt, plan, out, force=force, progress=progress)

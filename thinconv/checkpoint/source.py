@@ -103,12 +103,14 @@ class Checkpoint:
 
 
 def open_checkpoint(src: str | Path, *, revision: str | None = None,
-                    token: str | None = None) -> Checkpoint:
+                    token: str | None = None, commit: str | None = None) -> Checkpoint:
     """Open a local checkpoint folder or a hub repo id (``org/name``, via the HF cache).
 
     An existing folder wins over a repo id of the same spelling; a :class:`Path` is never a repo id.
     Hub downloads fetch configs, index and tokenizer files first, then only the shards the index
     names (all root ``*.safetensors`` without an index), both from the same resolved commit.
+    ``commit`` pins a hub source to a commit resolved earlier (e.g. by a batch run) while the
+    archive still records ``revision`` as asked.
     """
     path = Path(src).expanduser()
     if path.is_dir():
@@ -121,7 +123,7 @@ def open_checkpoint(src: str | Path, *, revision: str | None = None,
         repo_id, label = src, src
         revision = revision or "main"
         try:
-            root = _hub_download(repo_id, revision, token, _HUB_META_PATTERNS)
+            root = _hub_download(repo_id, commit or revision, token, _HUB_META_PATTERNS)
         except CheckpointError as error:
             if path.parent.is_dir():  # `examples/typo`: most likely a mistyped local path
                 raise CheckpointError(f"{src}: no such local folder (in {path.parent}/); read as a hub repo "
