@@ -232,3 +232,17 @@ def test_conversion_imports_neither_transformers_nor_torch(ckpts, tmp_path):
     assert r.stdout.strip().endswith("HEAVY="), r.stdout
     with open_archive(tmp_path / "o.thin") as a:
         assert "probe" in a.manifest["validation"]
+
+
+def test_platforms_without_pwrite_give_the_same_archive(ckpts, reference, tmp_path, monkeypatch):
+    """Windows has no os.pwrite / os.pread: seek + write under a lock, and the copying shift."""
+    monkeypatch.setattr(writer_mod, "_pwrite", writer_mod._pwrite_by_seek)
+    monkeypatch.setattr(writer_mod, "_pread", writer_mod._pread_by_seek)
+    monkeypatch.setattr(writer_mod, "_fallocate", lambda *a: (_ for _ in ()).throw(OSError(errno.ENOSYS, "no")))
+    real = convert_mod.plan_layout
+    monkeypatch.setattr(convert_mod, "plan_layout",
+                        lambda m: SimpleNamespace(data_off=real(m).data_off + spec.ALIGNMENT))  # force a shift
+    out = tmp_path / "w.thin"
+    res = _convert(ckpts["llama2"].path, out, page_size=4096)
+    assert res.layout_shift == "copy"
+    assert out.read_bytes() == reference["llama2"].read_bytes()

@@ -12,6 +12,7 @@ import functools
 import math
 import os
 import sys
+import threading
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -321,11 +322,31 @@ def head_bytes(manifest: dict) -> tuple[Layout, bytes]:
     return layout, layout.header(len(manifest["pages"])) + layout.manifest_bytes + layout.page_table
 
 
+_seek_lock = threading.Lock()
+
+
+def _pwrite_by_seek(fd: int, data: memoryview, offset: int) -> int:
+    with _seek_lock:  # platforms without pwrite (Windows): seek + write, one thread at a time
+        os.lseek(fd, offset, os.SEEK_SET)
+        return os.write(fd, data)
+
+
+def _pread_by_seek(fd: int, n: int, offset: int) -> bytes:
+    with _seek_lock:
+        os.lseek(fd, offset, os.SEEK_SET)
+        return os.read(fd, n)
+
+
+_pwrite = getattr(os, "pwrite", _pwrite_by_seek)
+_pread = getattr(os, "pread", _pread_by_seek)
+
+
 def pwrite_all(fd: int, data: Any, offset: int) -> None:
-    """os.pwrite until every byte is written (a regular file may take a write in parts)."""
+    """Write all of `data` at `offset` (a regular file may take a write in parts); safe to call
+    from several threads on one fd."""
     view = byte_view(data)
     while view.nbytes:
-        n = os.pwrite(fd, view, offset)
+        n = _pwrite(fd, view, offset)
         if n <= 0:
             raise OSError(errno.EIO, "short write")
         view, offset = view[n:], offset + n
@@ -383,7 +404,7 @@ def move_data(fd: int, old_off: int, new_off: int, end: int) -> str:
     length = end - old_off
     starts = range(0, length, CHUNK)
     for start in (reversed(starts) if delta > 0 else starts):  # memmove order: never read a clobbered byte
-        block = os.pread(fd, min(CHUNK, length - start), old_off + start)
+        block = _pread(fd, min(CHUNK, length - start), old_off + start)
         pwrite_all(fd, block, new_off + start)
     if delta > 0:
         _write_zeros_at(fd, old_off, delta)
