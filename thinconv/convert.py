@@ -473,7 +473,9 @@ class _ProbeThread(threading.Thread):
             self.gate.probe_finished()
 
 
-WORKERS = 2  # numpy, ml_dtypes, blake3 and pwrite release the GIL: two threads use both cores
+# numpy's loops, blake3 and pwrite release the GIL, so two threads use both cores (ml_dtypes'
+# casts do not: bf16 is widened and narrowed by integer arithmetic instead).
+WORKERS = 2
 WINDOW = 4  # pages in flight: memory is a few pages whatever the model size
 
 
