@@ -37,3 +37,24 @@ def test_integer_bf16_to_f16_on_a_2d_chunk_of_normal_values():
     got = np.empty(x.shape, np.float16)
     _bf16_to_f16(x, got)
     assert np.array_equal(got.view(np.uint16), x.astype(np.float32).astype(np.float16).view(np.uint16))
+
+
+def test_integer_f32_to_bf16_equals_ml_dtypes():
+    """The converter's f32 → bf16 (round to nearest even by integer arithmetic, NaN via ml_dtypes)
+    against ml_dtypes on random bit patterns and every edge: ties, subnormals, overflow, Inf, NaN."""
+    from thinconv.convert import _f32_to_bf16
+
+    rng = np.random.default_rng(2)
+    bits = [rng.integers(0, 2**32, 1 << 20, dtype=np.uint64).astype(np.uint32)]
+    edges = np.array([0, 0x80000000, 1, 0x7FFF, 0x8000, 0x18000, 0x28000, 0x7F7FFFFF, 0xFF7FFFFF, 0x7F7F8000,
+                      0x7F800000, 0xFF800000, 0x7F800001, 0x7FC00000, 0xFFFFFFFF, 0x807FFFFF, 0x3F808000,
+                      0x3F818000], np.uint32)
+    bits.append(edges)
+    bits.append((np.arange(1 << 16, dtype=np.uint32) << 16) | 0x8000)  # every tie
+    for b in bits:
+        x = b.view(np.float32)
+        got = np.empty(x.size, ml_dtypes.bfloat16)
+        _f32_to_bf16(x, got)
+        with np.errstate(all="ignore"):
+            want = x.astype(ml_dtypes.bfloat16)
+        assert np.array_equal(got.view(np.uint16), want.view(np.uint16))

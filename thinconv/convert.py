@@ -233,6 +233,27 @@ def _bf16_to_f16(src: np.ndarray, out: np.ndarray) -> None:
             h[odd] = u[odd].view(_BF16).astype(np.float32).astype(np.float16).view(np.uint16)
 
 
+def _f32_to_bf16(src: np.ndarray, out: np.ndarray) -> None:
+    """f32 → bf16 rounded to nearest even, as ml_dtypes rounds it, by integer arithmetic (which,
+    unlike ml_dtypes' cast, releases the GIL): add 0x7FFF plus the lowest kept bit, keep the top
+    16 bits. Exact for every finite value, subnormals and overflow to Inf included; NaNs (which
+    must stay NaN) go through ml_dtypes."""
+    u = src.reshape(-1).view(np.uint32)
+    t = _scratch(u.size, np.uint32, "round")
+    np.right_shift(u, 16, out=t)
+    np.bitwise_and(t, 1, out=t)
+    np.add(t, 0x7FFF, out=t)
+    np.add(t, u, out=t)
+    np.right_shift(t, 16, out=t)
+    h = out.reshape(-1).view(np.uint16)
+    np.copyto(h, t, casting="unsafe")
+    np.bitwise_and(u, 0x7FFFFFFF, out=t)
+    if t.max() > 0x7F800000:  # some NaN
+        nan = np.flatnonzero(t > 0x7F800000)
+        with np.errstate(invalid="ignore"):
+            h[nan] = src.reshape(-1)[nan].astype(_BF16).view(np.uint16)
+
+
 def _as_bytes(a: np.ndarray) -> np.ndarray:
     """A contiguous uint8 view (bf16 arrays cannot export a buffer themselves)."""
     return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
@@ -303,6 +324,8 @@ class PageMaker:
         out = _scratch(src.size, want, "out").reshape(src.shape)
         if src.dtype == _BF16 and want == np.float16:
             _bf16_to_f16(src, out)
+        elif want == _BF16 and wide.dtype == np.float32:
+            _f32_to_bf16(wide, out)
         else:
             # Cast from the exact wide values: equal to a direct cast (tests/test_casts.py checks
             # bf16 ↔ f16 on all 65,536 inputs) and faster. Overflow is reported below, not warned.
@@ -474,7 +497,7 @@ class _ProbeThread(threading.Thread):
 
 
 # numpy's loops, blake3 and pwrite release the GIL, so two threads use both cores (ml_dtypes'
-# casts do not: bf16 is widened and narrowed by integer arithmetic instead).
+# casts do not: bf16 is widened, and narrowed to f16, by integer arithmetic instead).
 WORKERS = 2
 WINDOW = 4  # pages in flight: memory is a few pages whatever the model size
 
