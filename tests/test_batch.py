@@ -682,12 +682,12 @@ def test_live_view_renders_running_jobs_and_failures(tmp_path):
     view = cli.LiveBatchView(3)
     job = B.Job(1, "org/model", tmp_path / "m-q8.thin", ConvertOptions(dtype="q8_0"), hub=True)
     view.job_started(job, "no archive yet")
-    view.job_progress(job, "analysing", 1 << 20, 4 << 20)
-    view.job_progress(job, "writing", 2 << 20, 4 << 20)
+    view.job_progress(job, "verifying", 1 << 20, 4 << 20)
+    view.job_progress(job, "converting", 2 << 20, 4 << 20)
     view.finished["failed"] += 1
     console = Console(record=True, width=160, file=open(os.devnull, "w"))
     console.print(view.render())
     text = console.export_text()
-    assert "org/model" in text and "m-q8.thin" in text and "writing" in text and "2.0 MiB / 4.0 MiB 50 %" in text
+    assert "org/model" in text and "m-q8.thin" in text and "converting" in text and "2.0 MiB / 4.0 MiB 50 %" in text
     assert "1/3 finished: 0 done, 0 skipped, 1 failed; 1 running" in text
     assert view.running[1]["before"] == 1 << 20  # bytes of the finished phase count towards bytes/s

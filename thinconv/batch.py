@@ -558,7 +558,7 @@ class BatchObserver:
         """`job` went to a worker; `reason` says why it runs (or that it is being verified)."""
 
     def job_progress(self, job: Job, phase: str, done: int, total: int) -> None:
-        """Bytes `done` of `total` in `phase` (verifying, analysing, writing)."""
+        """Bytes `done` of `total` in `phase` (verifying, converting)."""
 
     def job_finished(self, job: Job, result: JobResult) -> None:
         """`job` is done, skipped or failed (already written to the report)."""
