@@ -34,7 +34,7 @@ from typing import Any, Iterator
 
 import thinconv
 from thinconv.errors import JobsFileError, ThinError, UsageError
-from thinconv.plan import DEFAULT_PAGE_SIZE, ConvertOptions
+from thinconv.plan import DEFAULT_PAGE_SIZE, ConvertOptions, parse_keep, parse_page_size
 
 JOB_KEYS = ("source", "out", "recipe", "dtype", "revision", "keep", "page_size", "rope_layout", "strict", "probe")
 DEFAULT_KEYS = tuple(k for k in JOB_KEYS if k != "out")  # one `out` for several jobs would collide
@@ -175,9 +175,6 @@ def _parse_jsonl(name: str, text: str) -> tuple[dict, list[tuple[str, dict]], li
     return defaults, entries, problems
 
 
-_SIZE_RE = re.compile(r"\s*(\d+)\s*([KMG]?)(i?B)?\s*", re.IGNORECASE)
-
-
 def _check_field(key: str, value: Any, registry) -> tuple[Any, str | None]:
     """(parsed value, None) or (None, what is wrong) for one field of a job or of the defaults."""
     if key in ("source", "out", "revision", "recipe", "dtype", "rope_layout"):
@@ -195,22 +192,12 @@ def _check_field(key: str, value: Any, registry) -> tuple[Any, str | None]:
         elif key == "page_size":
             if isinstance(value, bool) or not isinstance(value, (int, str)):
                 return None, f"expected a byte count like 16777216 or \"16MiB\", got {value!r}"
-            if isinstance(value, str):
-                m = _SIZE_RE.fullmatch(value)
-                if not m:
-                    return None, f"{value!r}: expected a byte count like 16MiB, 4M or 65536"
-                value = int(m.group(1)) * {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3}[m.group(2).upper()]
+            value = parse_page_size(value) if isinstance(value, str) else value
             ConvertOptions(page_size=value)
         elif key == "keep":
             if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
                 return None, f"expected a list of \"ROLE_GLOB=DTYPE\" strings, got {value!r}"
-            pairs = []
-            for v in value:
-                glob_, sep, dtype = v.partition("=")
-                if not sep or not glob_.strip() or not dtype.strip():
-                    return None, f"{v!r}: expected ROLE_GLOB=DTYPE, e.g. 'ffn_down*=q8_0'"
-                pairs.append((glob_.strip(), dtype.strip()))
-            value = tuple(pairs)
+            value = parse_keep(value)
             ConvertOptions(keep=value)
     except ThinError as e:
         return None, re.sub(r"^--[\w-]+ ", "", str(e))

@@ -188,27 +188,6 @@ def unpack(archive: Path = typer.Argument(..., help="A .thin archive."),
 
 # ---------------------------------------------------------------- conversion
 
-def parse_size(text: str) -> int:
-    """'16MiB', '16M', '4096' → bytes."""
-    import re
-
-    m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(i?B)?\s*", text, re.IGNORECASE)
-    if not m:
-        raise UsageError(f"--page-size {text!r}: expected a byte count like 16MiB, 4M or 65536")
-    return int(m.group(1)) * {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3}[m.group(2).upper()]
-
-
-def parse_keep(values: list[str]) -> tuple[tuple[str, str], ...]:
-    out = []
-    for v in values:
-        glob, sep, dtype = v.partition("=")
-        if not sep or not glob or not dtype:
-            raise UsageError(f"--keep {v!r}: expected ROLE_GLOB=DTYPE, e.g. 'ffn_down*=q8_0' "
-                             f"(DTYPE: bf16, f16, f32, q8_0, q4_0, q4_1)")
-        out.append((glob.strip(), dtype.strip()))
-    return tuple(out)
-
-
 class RichProgress:
     """Adapter from the converter's phases to a rich progress bar with bytes/s."""
 
@@ -230,11 +209,11 @@ def run_conversion(src: str, output: Path, recipe_name: Optional[str], dtype: st
     import time
 
     from thinconv.convert import convert, open_plan
-    from thinconv.plan import ConvertOptions
+    from thinconv.plan import ConvertOptions, parse_keep, parse_page_size
     from thinconv.recipe import load_registry
 
     with reported():
-        options = ConvertOptions(dtype=dtype, page_size=parse_size(page_size), rope_layout=rope_layout,
+        options = ConvertOptions(dtype=dtype, page_size=parse_page_size(page_size), rope_layout=rope_layout,
                                  keep=parse_keep(keep), strict=strict, probe=probe)
         if output.exists() and not force and not dry_run:
             fail(f"{output} already exists (use --force to overwrite)")

@@ -24,6 +24,28 @@ ASSET_MEDIA_TYPES = {".json": "application/json", ".model": "application/octet-s
 ROPE_ROLES = ("attn_q.weight", "attn_q.bias", "attn_k.weight", "attn_k.bias", "attn_q_norm.weight", "attn_k_norm.weight")
 
 
+def parse_page_size(text: str) -> int:
+    """'16MiB', '16M', '4096' → bytes (the --page-size syntax, shared by the CLI and batch jobs)."""
+    import re
+
+    m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(i?B)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise UsageError(f"--page-size {text!r}: expected a byte count like 16MiB, 4M or 65536")
+    return int(m.group(1)) * {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3}[m.group(2).upper()]
+
+
+def parse_keep(values: list[str]) -> tuple[tuple[str, str], ...]:
+    """["ROLE_GLOB=DTYPE", …] → ((glob, dtype), …) (the --keep syntax; ConvertOptions checks the values)."""
+    out = []
+    for v in values:
+        glob, sep, dtype = v.partition("=")
+        if not sep or not glob.strip() or not dtype.strip():
+            raise UsageError(f"--keep {v!r}: expected ROLE_GLOB=DTYPE, e.g. 'ffn_down*=q8_0' "
+                             f"(DTYPE: {', '.join(OUTPUT_DTYPES[1:])})")
+        out.append((glob.strip(), dtype.strip()))
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class ConvertOptions:
     dtype: str = "auto"
