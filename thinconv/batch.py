@@ -426,13 +426,16 @@ def _local_mismatch(job: Job, src: dict, archived_config: bytes | None) -> str |
     return None
 
 
-def verify_archive(path: Path) -> str | None:
-    """None when every checksum of the archive verifies; else the first failure."""
+def verify_archive(path: Path, progress=None) -> str | None:
+    """None when every checksum of the archive verifies; else the first failure. `progress`
+    (start(phase, total) / advance(n), like the converter's) follows the bytes checked."""
     from thinconv.format.reader import open_archive
 
     try:
         with open_archive(path) as a:
-            report = a.verify()
+            if progress is not None:
+                progress.start("verifying", sum(p.size for p in a.pages))
+            report = a.verify(progress=progress.advance if progress is not None else None)
     except ThinError as e:
         return str(e)
     return None if report.ok else f"{report.failures[0]}" + (f" (+{len(report.failures) - 1} more)"
@@ -742,19 +745,12 @@ def _run_task(job: Job, commit: str | None, mode: str, registry, send) -> JobRes
 
     t0 = time.perf_counter()
     progress = _PipeProgress(send, job)
-    if mode == "verify":
+    if mode == "verify" and verify_archive(job.out, progress) is None:
         from thinconv.format.reader import open_archive
 
-        try:
-            with open_archive(job.out) as a:
-                progress.start("verifying", sum(p.size for p in a.pages))
-                report = a.verify(progress=progress.advance)
-                manifest = a.manifest
-        except ThinError as e:
-            report, manifest = None, str(e)
-        if report is not None and report.ok:
-            return _result(job, "skipped", seconds=time.perf_counter() - t0, bytes_in=_bytes_in(manifest),
-                           bytes_out=job.out.stat().st_size, archive_hash=a.header.archive_hash.hex())
+        with open_archive(job.out) as a:  # header and manifest only: the pages were just verified
+            return _result(job, "skipped", seconds=time.perf_counter() - t0, bytes_in=_bytes_in(a.manifest),
+                           bytes_out=a.file_size, archive_hash=a.header.archive_hash.hex())
     # Pinned to the commit the batch resolved (and downloaded); the archive records the revision
     # as the job names it, so it is the archive `thinconv convert` would write.
     result = convert_source(job.source, job.out, options=job.options, recipe=job.recipe,
