@@ -153,11 +153,8 @@ def plan_layout(manifest: dict) -> Layout:
     # Record lengths depend only on ids, so data_off is known before offsets are.
     table_len = sum(2 + len(p["id"].encode()) + spec.RECORD_TAIL.size for p in pages)
     data_off = spec.align_up(spec.HEADER_LEN + len(mbytes) + table_len)
-    offsets, cursor = [], data_off
-    for p in pages:
-        offsets.append(cursor)
-        cursor = spec.align_up(cursor + p["size"])
-    file_size = offsets[-1] + pages[-1]["size"]
+    rel, data_len = page_offsets([p["size"] for p in pages])
+    offsets, file_size = [data_off + r for r in rel], data_off + data_len
     table = b"".join(page_record(p["id"], off, p["size"], bytes.fromhex(p["checksum"])) for p, off in zip(pages, offsets))
     return Layout(mbytes, table, data_off, offsets, file_size, blake3.blake3(mbytes + table).digest())
 
