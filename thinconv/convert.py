@@ -521,16 +521,16 @@ def convert(ckpt: Checkpoint, plan: Plan, out: str | os.PathLike, *, force: bool
         raise ConversionError(f"{ckpt.root}: {tied}")
     jobs = _page_jobs(plan)
     rel, data_len = page_offsets([j.size for j in jobs])
-    estimate = plan_layout(_manifest(ckpt, plan, jobs, None, {}, {}, _probe_placeholder(plan))).data_off
+    estimate = _estimated_data_off(ckpt, plan, jobs)
     maker = PageMaker(ckpt, plan)
     state: dict[str, Any] = {}
 
     def write(f) -> None:
         fd = f.fileno()
 
-        def produce(job: _PageJob) -> tuple[str, PageOutput]:
-            """Make one page, hash it and write it at its offset, chunk by chunk."""
-            hasher, offset = blake3.blake3(), estimate + job_offsets[job.pid]
+        def produce(k: int) -> tuple[str, PageOutput]:
+            """Make page k, hash it and write it at its offset, chunk by chunk."""
+            job, hasher, offset = jobs[k], blake3.blake3(), estimate + rel[k]
             cursor = offset
 
             def emit(chunk: np.ndarray) -> None:
@@ -553,17 +553,16 @@ def convert(ckpt: Checkpoint, plan: Plan, out: str | os.PathLike, *, force: bool
             start_writeback(fd, offset, job.size)  # so the final fsync finds little to do
             return hasher.hexdigest(), page
 
-        job_offsets = {j.pid: r for j, r in zip(jobs, rel)}
         progress.start("converting", plan.total_bytes)
         from threadpoolctl import threadpool_limits
 
         # The probe's matmuls would otherwise start BLAS threads that spin against the page workers.
         with threadpool_limits(limits=1, user_api="blas"):
-            checksums, outputs = _stream(ckpt, plan, jobs, produce, progress, state)
+            checksums, outputs, probe, probe_note = _stream(ckpt, plan, jobs, produce, progress)
         stats, quant, warnings = _summaries(plan, outputs)
-        if state.get("probe_note"):
-            warnings.append(state["probe_note"])
-        manifest = _manifest(ckpt, plan, jobs, checksums, stats, quant, state.get("probe"))
+        if probe_note:
+            warnings.append(probe_note)
+        manifest = _manifest(ckpt, plan, jobs, checksums, stats, quant, probe)
         layout, head = head_bytes(manifest)
         # The manifest's pages are `jobs`, so its layout is the streamed one moved to its data_off.
         state["shift"] = move_data(fd, estimate, layout.data_off, estimate + data_len)
@@ -590,10 +589,11 @@ def _page_jobs(plan: Plan) -> list[_PageJob]:
     return jobs
 
 
-def _stream(ckpt: Checkpoint, plan: Plan, jobs: list[_PageJob], produce: Callable[[_PageJob], tuple[str, PageOutput]],
-            progress: Progress, state: dict) -> tuple[list[str], list[PageOutput]]:
-    """Run `produce` over the pages on WORKERS threads, at most WINDOW in flight, collecting
-    results in file order; the probe thread (if any) follows the stream through a StreamGate."""
+def _stream(ckpt: Checkpoint, plan: Plan, jobs: list[_PageJob], produce: Callable[[int], tuple[str, PageOutput]],
+            progress: Progress) -> tuple[list[str], list[PageOutput], dict | None, str | None]:
+    """Run `produce` over the page indices on WORKERS threads, at most WINDOW in flight, collecting
+    results in file order; the probe thread (if any) follows the stream through a StreamGate.
+    Returns the checksums, the page results, and the probe with its skip note."""
     gate = StreamGate(plan)
     prober = None
     if plan.options.probe:
@@ -609,7 +609,7 @@ def _stream(ckpt: Checkpoint, plan: Plan, jobs: list[_PageJob], produce: Callabl
         submitted, k = 0, 0
         while k < len(jobs):
             while submitted < len(jobs) and submitted - k < WINDOW and gate.may_start(submitted):
-                pending[submitted] = pool.submit(produce, jobs[submitted])
+                pending[submitted] = pool.submit(produce, submitted)
                 submitted += 1
             if submitted == k:  # nothing in flight: the probe is behind
                 gate.wait_start(k)
@@ -624,7 +624,6 @@ def _stream(ckpt: Checkpoint, plan: Plan, jobs: list[_PageJob], produce: Callabl
             prober.join()
             if prober.error is not None:
                 raise prober.error
-            state["probe"], state["probe_note"] = prober.probe, prober.note
     finally:
         gate.abort()
         for f in pending.values():
@@ -632,7 +631,7 @@ def _stream(ckpt: Checkpoint, plan: Plan, jobs: list[_PageJob], produce: Callabl
         pool.shutdown(wait=True)
         if prober is not None:
             prober.join()
-    return checksums, outputs
+    return checksums, outputs, *((prober.probe, prober.note) if prober is not None else (None, None))
 
 
 def _summaries(plan: Plan, outputs: list[PageOutput]) -> tuple[dict, dict, list[str]]:
@@ -688,13 +687,17 @@ def _probe_placeholder(plan: Plan) -> dict | None:
             "positions": [{"ids": ids, "logits": [-12.34567890123456] * PROBE_TOP_K} for _ in tokens]}
 
 
-def _manifest(ckpt: Checkpoint, plan: Plan, jobs: list[_PageJob], checksums: list[str] | None, stats: dict,
+def _estimated_data_off(ckpt: Checkpoint, plan: Plan, jobs: list[_PageJob]) -> int:
+    """data_off of a manifest shaped like the final one, with typical-length placeholder values."""
+    stats = {tp.name: dict(_STAT_PLACEHOLDER) for tp in plan.tensors if tp.name != "rope_freqs"}
+    quant = {tp.name: dict(_QUANT_PLACEHOLDER) for tp in plan.tensors if tp.quant}
+    manifest = _manifest(ckpt, plan, jobs, ["0" * 64] * len(jobs), stats, quant, _probe_placeholder(plan))
+    return plan_layout(manifest).data_off
+
+
+def _manifest(ckpt: Checkpoint, plan: Plan, jobs: list[_PageJob], checksums: list[str], stats: dict,
               quant: dict, probe: dict | None) -> dict:
-    """The archive's manifest; with checksums=None, a same-shaped estimate (placeholder values)."""
-    if checksums is None:
-        checksums = ["0" * 64] * len(jobs)
-        stats = {tp.name: dict(_STAT_PLACEHOLDER) for tp in plan.tensors if tp.name != "rope_freqs"}
-        quant = {tp.name: dict(_QUANT_PLACEHOLDER) for tp in plan.tensors if tp.quant}
+    """The archive's manifest."""
     pages = []
     for job, checksum in zip(jobs, checksums):
         entry = {"id": job.pid, "size": job.size, "checksum": checksum}
