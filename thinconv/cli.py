@@ -208,15 +208,15 @@ def run_conversion(src: str, output: Path, recipe_name: Optional[str], dtype: st
                    dry_run: bool, as_json: bool, recipes: list[Path], probe: bool = True) -> None:
     import time
 
-    from thinconv.convert import convert, open_plan
+    from thinconv.convert import check_output, convert, open_plan
     from thinconv.plan import ConvertOptions, parse_keep, parse_page_size
     from thinconv.recipe import load_registry
 
     with reported():
         options = ConvertOptions(dtype=dtype, page_size=parse_page_size(page_size), rope_layout=rope_layout,
                                  keep=parse_keep(keep), strict=strict, probe=probe)
-        if output.exists() and not force and not dry_run:
-            fail(f"{output} already exists (use --force to overwrite)")
+        if not dry_run:
+            check_output(output, force)
         t0 = time.perf_counter()
         with open_plan(src, options, recipe=recipe_name, revision=revision, registry=load_registry(recipes)) as (ckpt, plan):
             if dry_run:
@@ -356,7 +356,7 @@ def check_recipe(recipe: str = typer.Argument(..., help="A recipe name, or the p
     if as_json:
         print_json(result)
     else:
-        out.print(f"recipe {chosen.name} on {src}: {len(report.mapped)} tensors mapped, {len(report.ignored)} ignored",)
+        out.print(f"recipe {chosen.name} on {src}: {len(report.mapped)} tensors mapped, {len(report.ignored)} ignored")
         for p in report.problems:
             err.print(f"[bold red]problem:[/] {escape(p)}", markup=True)
         if not report.problems:

@@ -515,7 +515,7 @@ def convert(ckpt: Checkpoint, plan: Plan, out: str | os.PathLike, *, force: bool
     t0 = time.perf_counter()
     progress = progress or _NoProgress()
     out = Path(out)
-    _check_output(out, force)
+    check_output(out, force)
     tied = tied_head_problem(ckpt, plan.mapping)  # the one value check planning leaves to conversion
     if tied:
         raise ConversionError(f"{ckpt.root}: {tied}")
@@ -720,8 +720,9 @@ def _manifest(ckpt: Checkpoint, plan: Plan, jobs: list[_PageJob], checksums: lis
             "runtime": {"page_size": plan.options.page_size}, "validation": validation}
 
 
-def _check_output(out: Path, force: bool) -> None:
-    """Fail before any work when the output cannot be written (the writer re-checks at the end)."""
+def check_output(out: Path, force: bool) -> None:
+    """Fail before any work (or download) when the output cannot be written: it exists without
+    `force`, is a folder, or its folder is missing or read-only. The writer re-checks at the end."""
     if out.exists() and not force:
         raise PackError(f"{out} already exists (use --force to overwrite)")
     if out.is_dir():
@@ -779,7 +780,7 @@ def convert_source(src: str | os.PathLike, out: str | os.PathLike, *, options: "
                    commit: str | None = None) -> ConvertResult:
     """Convert a local checkpoint folder or a hub repo id to a .thin archive at `out` (what
     `thinconv convert` runs); arguments as for :func:`open_plan` and :func:`convert`."""
-    _check_output(Path(out), force)
+    check_output(Path(out), force)
     with open_plan(src, options, recipe=recipe, revision=revision, token=token, registry=registry,
                    commit=commit) as (ckpt, plan):
         return convert(ckpt, plan, out, force=force, progress=progress)
