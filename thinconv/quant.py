@@ -8,7 +8,7 @@ Speed comes from a transposed tile layout. A tile of ``k`` blocks is copied, fou
 time (then upcast exactly if bf16/f16), into ``L[8, 4k]`` with ``L[r, 4i + c] = x[block i, 4r + c]``,
 so every per-block reduction and broadcast is a long contiguous numpy loop instead of millions of
 32-element ones; quants go back out four bytes at a time. Each thread keeps ~8.5 MB of scratch.
-The error report sums f32 dot products per tile (relative accuracy ~1e-6).
+The error report squares the tile's errors in f32 and sums them pairwise (relative accuracy ~1e-6).
 
 Deliberate choices where ggml's C and gguf-py disagree or C is undefined:
 
@@ -166,7 +166,7 @@ def _scratch(blocks: int) -> _Scratch:
 
 
 def _pool(threads: int) -> ThreadPoolExecutor:
-    # Long-lived workers keep their scratch between calls (a converter calls once per page).
+    # Long-lived workers keep their scratch between quantize_chunked calls.
     with _pools_lock:
         pool = _pools.get(threads)
         if pool is None:
