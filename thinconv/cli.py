@@ -389,9 +389,6 @@ def _register_recipe_commands(argv: list[str]) -> None:
 class PlainBatchLog:
     """One line per batch event on stdout (when it is not a terminal: logs, CI, schedulers)."""
 
-    def __init__(self) -> None:
-        self.total = 0
-
     def __enter__(self) -> "PlainBatchLog":
         return self
 
