@@ -620,14 +620,14 @@ def test_killed_batch_leaves_no_partial_file_and_a_rerun_completes(ckpts, tmp_pa
 
 def test_default_workers_fit_cores_and_memory(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
-    monkeypatch.setattr(B, "_available_memory", lambda: 64 * 1024**3)
+    monkeypatch.setattr(B.workers, "available_memory", lambda: 64 * 1024**3)
     assert B.default_workers() == 8
-    monkeypatch.setattr(B, "_available_memory", lambda: 5 * 1024**3)
+    monkeypatch.setattr(B.workers, "available_memory", lambda: 5 * 1024**3)
     assert B.default_workers() == 2
-    monkeypatch.setattr(B, "_available_memory", lambda: 1024**3)
+    monkeypatch.setattr(B.workers, "available_memory", lambda: 1024**3)
     assert B.default_workers() == 1
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
-    monkeypatch.setattr(B, "_available_memory", lambda: None)
+    monkeypatch.setattr(B.workers, "available_memory", lambda: None)
     assert B.default_workers() == 1
 
 

@@ -18,31 +18,31 @@ def test_direct_cast_equals_the_route_through_f32_on_every_input(src, dst):
 
 def test_integer_bf16_to_f16_equals_numpy_on_every_input():
     """The converter's fast bf16 → f16 (bit arithmetic, numpy's cast only off f16's normal range)."""
-    from thinconv.convert import _bf16_to_f16
+    from thinconv.casts import bf16_to_f16
 
     x = np.arange(65536, dtype=np.uint16).view(ml_dtypes.bfloat16)
     with np.errstate(all="ignore"):
         want = x.astype(np.float32).astype(np.float16)
     for order in (np.arange(65536), np.random.default_rng(0).permutation(65536)):  # odd values anywhere
         got = np.empty(65536, np.float16)
-        _bf16_to_f16(x[order], got)
+        bf16_to_f16(x[order], got)
         assert np.array_equal(got.view(np.uint16), want[order].view(np.uint16))  # NaN payloads included
 
 
 def test_integer_bf16_to_f16_on_a_2d_chunk_of_normal_values():
-    from thinconv.convert import _bf16_to_f16
+    from thinconv.casts import bf16_to_f16
 
     x = (np.random.default_rng(1).standard_normal((64, 96)).astype(np.float32) * 0.05).astype(ml_dtypes.bfloat16)
     x[3, 5] = 0  # one value off the fast path
     got = np.empty(x.shape, np.float16)
-    _bf16_to_f16(x, got)
+    bf16_to_f16(x, got)
     assert np.array_equal(got.view(np.uint16), x.astype(np.float32).astype(np.float16).view(np.uint16))
 
 
 def test_integer_f32_to_bf16_equals_ml_dtypes():
     """The converter's f32 → bf16 (round to nearest even by integer arithmetic, NaN via ml_dtypes)
     against ml_dtypes on random bit patterns and every edge: ties, subnormals, overflow, Inf, NaN."""
-    from thinconv.convert import _f32_to_bf16
+    from thinconv.casts import f32_to_bf16
 
     rng = np.random.default_rng(2)
     bits = [rng.integers(0, 2**32, 1 << 20, dtype=np.uint64).astype(np.uint32)]
@@ -54,7 +54,7 @@ def test_integer_f32_to_bf16_equals_ml_dtypes():
     for b in bits:
         x = b.view(np.float32)
         got = np.empty(x.size, ml_dtypes.bfloat16)
-        _f32_to_bf16(x, got)
+        f32_to_bf16(x, got)
         with np.errstate(all="ignore"):
             want = x.astype(ml_dtypes.bfloat16)
         assert np.array_equal(got.view(np.uint16), want.view(np.uint16))

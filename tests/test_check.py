@@ -409,7 +409,7 @@ def test_usage_errors_exit_2(args, archive, sources):
 
 
 def test_default_tokens_outlast_the_window():
-    from thinconv.check import default_tokens
+    from thinconv.probe import default_tokens
 
     model = {"attention": {"sliding_window": 100}, "max_position_embeddings": 4096, "vocab_size": 50,
              "special_tokens": {"bos": 7}}

@@ -23,7 +23,7 @@ FAMILY = {"llama3": "llama", "llama2": "llama", "mistral": "mistral", "qwen2": "
 def app():
     """The CLI with its per-recipe sub-commands, as `main()` registers them for the built-in recipes."""
     if not any(c.name == "qwen2" for c in cli.app.registered_commands):
-        cli._register_recipe_commands([])
+        cli.register_recipe_commands([])
     return cli.app
 
 

@@ -17,7 +17,7 @@ import pytest
 import thinconv.convert as convert_mod
 import thinconv.format.writer as writer_mod
 from conftest import leftovers
-from thinconv.check import conversion_probe
+from thinconv.probe import conversion_probe
 from thinconv.checkpoint import open_checkpoint
 from thinconv.convert import StreamGate, convert
 from thinconv.errors import ConversionError
@@ -183,12 +183,10 @@ def test_failure_at_a_page_leaves_nothing(ckpts, tmp_path, monkeypatch, error, a
 
 
 def test_probe_failure_fails_the_conversion(ckpts, tmp_path, monkeypatch):
-    import thinconv.check as check_mod
-
     def broken(*args, **kwargs):
         raise MemoryError("probe ran out of memory")
 
-    monkeypatch.setattr(check_mod, "conversion_probe", broken)
+    monkeypatch.setattr(convert_mod, "conversion_probe", broken)
     with pytest.raises(MemoryError):
         _convert(ckpts["llama2"].path, tmp_path / "o.thin", probe=True)
     assert leftovers(tmp_path) == []

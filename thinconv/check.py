@@ -1,21 +1,19 @@
-"""Prove an archive computes what its source computes: weight providers for the reference
-decoder, the conversion-time probe, and logit comparisons with thresholds per dtype class."""
+"""Prove an archive computes what its source computes: the archive as reference-decoder weights,
+and logit comparisons (with transformers, or with the archive's probe) judged by dtype class."""
 
 from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from thinconv.decoder import Decoder, prefill_logits
 from thinconv.errors import ConversionError, ThinError, UsageError
-from thinconv.format import spec
+from thinconv.format import dtypes, spec
 from thinconv.format.reader import Archive
-
-PROBE_TOKENS = 8
-PROBE_TOP_K = 8
 
 
 class ArchiveProvider:
@@ -41,87 +39,6 @@ class ArchiveProvider:
 
     def shape(self, name: str) -> list[int]:
         return self.archive.tensor_info(name)["shape"]
-
-
-class SourceProvider:
-    """Reference-decoder weights from the source checkpoint through its recipe plan, in HF's
-    "half" RoPE layout whatever layout the archive will hold."""
-
-    def __init__(self, ckpt, plan, wait=None):
-        from thinconv.convert import TensorSource
-        from thinconv.rope import model_rope_freqs
-
-        self.model = {**plan.model, "rope": {**plan.model["rope"], "layout": "half"}}
-        self._rope = model_rope_freqs(self.model)
-        # the same row reader the converter uses, without the interleave permutation
-        self._sources = {t.name: TensorSource(ckpt, replace(t, permute_rope=False), self.model, plan.recipe.path)
-                         for t in plan.tensors if t.sources}
-        self._wait = wait  # wait(name, end): the converter's StreamGate, when following its stream
-
-    def has(self, name: str) -> bool:
-        return name in self._sources or (name == "rope_freqs" and self._rope is not None)
-
-    def get(self, name: str) -> np.ndarray:
-        if name == "rope_freqs":
-            return self._rope
-        return self.rows(name, 0, self.shape(name)[0])
-
-    def rows(self, name: str, start: int, end: int) -> np.ndarray:
-        source = self._sources[name]
-        if self._wait is not None:
-            self._wait(name, end)
-        out = np.asarray(source.rows(start, end), dtype=np.float32).reshape(end - start, *source.tp.shape[1:])
-        source.release(start, end)  # keep the mmap's resident pages bounded
-        return out
-
-    def shape(self, name: str) -> list[int]:
-        return self._sources[name].tp.shape
-
-
-def default_tokens(model: dict, n: int | None = None) -> list[int]:
-    """A fixed, spread-out token sequence; longer than any sliding window so the window is exercised."""
-    window = model["attention"]["sliding_window"]
-    if n is None:
-        n = max(16, window + 8) if window else 16
-    n = min(n, model["max_position_embeddings"])
-    vocab = model["vocab_size"]
-    bos = model["special_tokens"]["bos"]
-    body = [(7919 * i + 104729) % vocab for i in range(n)]
-    return ([bos] + body[: n - 1]) if bos is not None else body
-
-
-def conversion_probe(ckpt, plan, wait=None) -> tuple[dict | None, str | None]:
-    """The probe for `plan`, computed from the source weights; (None, reason) when skipped.
-
-    `wait(name, end)` is called before rows [.., end) of a tensor are read (see StreamGate)."""
-    if not spec.rope_freqs_present(plan.model):  # the reference decoder needs a static rope_freqs table
-        kind = plan.model["rope"]["scaling"]["type"]
-        return None, f"probe skipped: the reference decoder does not implement {kind!r} RoPE scaling"
-    counts: dict[str, int] = {}
-    for t in plan.tensors:
-        if len(t.shape) == 2:
-            counts[t.source_dtype] = counts.get(t.source_dtype, 0) + 1
-    with np.errstate(all="ignore"):  # non-finite weights are reported by the conversion itself
-        probe = make_probe(SourceProvider(ckpt, plan, wait))
-    if not all(math.isfinite(v) for pos in probe["positions"] for v in pos["logits"]):
-        return None, "probe skipped: the source weights give non-finite logits (see the NaN/Inf warnings)"
-    probe["source_dtype"] = max(sorted(counts), key=counts.get)
-    return probe, None
-
-
-def make_probe(provider, tokens: list[int] | None = None, top_k: int = PROBE_TOP_K) -> dict:
-    """validation.probe: the reference decoder's top-k logits per position, from `provider`."""
-    from thinconv.decoder import prefill_logits
-
-    tokens = tokens if tokens is not None else default_tokens(provider.model, PROBE_TOKENS)
-    # Streams the weights (bounded memory on big models); float64, then float32, so the stored
-    # values are the same on any host.
-    logits = prefill_logits(provider, tokens, dtype=np.float64).astype(np.float32)
-    positions = []
-    for row in logits:
-        ids = np.argsort(-row, kind="stable")[:top_k]
-        positions.append({"ids": [int(i) for i in ids], "logits": [float(row[i]) for i in ids]})
-    return {"tokens": [int(t) for t in tokens], "top_k": top_k, "positions": positions}
 
 
 # ---------------------------------------------------------------- comparison
@@ -209,10 +126,8 @@ def dtype_class(archive: Archive, source_dtypes: dict[str, str] | None) -> str:
     classes = set()
     probe_src = archive.manifest["validation"].get("probe", {}).get("source_dtype")
     for t in archive.manifest["tensors"]:
-        if t["dtype"] in ("q4_0", "q4_1"):
-            classes.add("q4")
-        elif t["dtype"] == "q8_0":
-            classes.add("q8_0")
+        if dtypes.is_block(t["dtype"]):
+            classes.add(dtypes.get(t["dtype"]).check_class)
         elif len(t["shape"]) == 2:
             src = (source_dtypes or {}).get(t["name"], probe_src)
             exact = src == t["dtype"] or (t["dtype"] == "f32" and src in ("f16", "bf16")) or \
@@ -242,7 +157,7 @@ def judge(result: CheckResult, strict_q4: bool = False) -> CheckResult:
 def transformers_logits(source_root, tokens: list[int], vocab: int | None = None) -> np.ndarray:
     """The source model's logits under transformers (float32, CPU, eager attention); `vocab`, when
     given, is the archive's vocabulary size, which the source must share."""
-    try:
+    try:  # optional dependencies (thinconv[check]), and heavy: imported only when asked for
         import torch
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
@@ -265,7 +180,7 @@ def transformers_logits(source_root, tokens: list[int], vocab: int | None = None
 
 def archive_tokenizer(archive: Archive):
     """The embedded tokenizer.json as a `tokenizers.Tokenizer`."""
-    from tokenizers import Tokenizer
+    from tokenizers import Tokenizer  # lazy: only `run` and `check --prompt` need it (start-up time)
 
     try:
         data = archive.asset_bytes("tokenizer.json")
@@ -304,11 +219,9 @@ def run_check(archive: Archive, tokens: list[int], against: Any | None = None, s
     logits, engine = archive_logits(archive, tokens)
     if against is not None:
         source_dtypes = {}
-        from thinconv.plan import SOURCE_DTYPES
-
         for t in archive.manifest["tensors"]:
             if t["source"] and all(s in against.tensors for s in t["source"]):
-                source_dtypes[t["name"]] = SOURCE_DTYPES.get(against.tensors[t["source"][0]].dtype, "?")
+                source_dtypes[t["name"]] = dtypes.SOURCE_DTYPES.get(against.tensors[t["source"][0]].dtype, "?")
         reference = transformers_logits(against.root, tokens, archive.model["vocab_size"])
         result = CheckResult(dtype_class(archive, source_dtypes), "transformers", compare_logits(reference, logits))
     else:
@@ -323,8 +236,6 @@ def archive_logits(archive: Archive, tokens: list[int], memory_budget: int | Non
     Token by token with a KV cache ("decode") when the model's float32 weights fit in a quarter of
     this machine's memory; otherwise layer by layer with the weights streamed ("prefill": same
     model, bounded memory), so a big archive can still be checked against its probe."""
-    from thinconv.decoder import Decoder, prefill_logits
-
     m = archive.model
     need = 4 * sum(math.prod(t["shape"]) for t in archive.manifest["tensors"])
     if memory_budget is None:

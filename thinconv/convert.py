@@ -17,28 +17,25 @@ from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import blake3
-import ml_dtypes
 import numpy as np
 
+from threadpoolctl import threadpool_limits
+
 import thinconv
-from thinconv.checkpoint.source import Checkpoint
-from thinconv.errors import ConversionError, PackError, ThinFormatError
+from thinconv.checkpoint.source import Checkpoint, open_checkpoint
+from thinconv.errors import ConversionError, PackError, RecipeError, ThinFormatError
 from thinconv.format import spec
 from thinconv.format.reader import open_archive
 from thinconv.format.writer import (
     head_bytes, move_data, page_offsets, plan_layout, pwrite_all, start_writeback, write_atomically,
 )
-from thinconv.plan import AssetPlan, Plan, TensorPlan, tied_head_problem
-from thinconv.rope import model_rope_freqs
-from thinconv.transforms import get_transform
-
-if TYPE_CHECKING:
-    from thinconv.plan import ConvertOptions
-
-NUMPY_OUT = {"f32": np.dtype("<f4"), "f16": np.dtype("<f2"), "bf16": np.dtype(ml_dtypes.bfloat16)}
+from thinconv.pages import PageMaker, PageOutput, RunningStats
+from thinconv.plan import AssetPlan, ConvertOptions, Plan, TensorPlan, plan_conversion, tied_head_problem
+from thinconv.probe import PROBE_TOKENS, PROBE_TOP_K, conversion_probe, default_tokens
+from thinconv.recipe import Registry, Recipe, load_registry
 
 
 class Progress(Protocol):
@@ -52,321 +49,6 @@ class _NoProgress:
 
     def advance(self, n: int) -> None:
         pass
-
-
-@dataclass
-class RunningStats:
-    """min, max, mean, std over finite values (Chan's parallel merge), plus NaN/Inf counts."""
-
-    count: int = 0
-    mean: float = 0.0
-    m2: float = 0.0
-    lo: float = math.inf
-    hi: float = -math.inf
-    nan: int = 0
-    inf: int = 0
-
-    def add(self, x: np.ndarray) -> "RunningStats":
-        """Fold in a chunk of float32 (or float64) values, at most CHUNK_VALUES of them; returns
-        the chunk's own statistics.
-
-        Sums run in the chunk's own dtype with numpy's pairwise summation, so mean and std are
-        good to ~1e-6 of the values' scale (min and max are exact); chunks merge in float64.
-        Not BLAS: its kernels differ between CPUs, and these figures land in the archive, whose
-        bytes must not depend on the host."""
-        x = x.reshape(-1)
-        part = RunningStats()
-        if not x.size:
-            return part
-        lo, hi = x.min(), x.max()  # NaN propagates through min/max: finite bounds mean all finite
-        if not (math.isfinite(lo) and math.isfinite(hi)):
-            finite = np.isfinite(x)
-            part.nan = int(np.count_nonzero(np.isnan(x)))
-            part.inf = x.size - int(np.count_nonzero(finite)) - part.nan
-            x = x[finite]
-            if not x.size:
-                self.merge(part)
-                return part
-            lo, hi = x.min(), x.max()
-        if x.dtype == np.float32 and max(-float(lo), float(hi)) > 1e18:
-            x = x.astype(np.float64)  # squares would overflow float32
-        n = x.size
-        with np.errstate(over="ignore", invalid="ignore"):  # beyond ~1e154 (f64 sources) std is inf
-            mean = float(np.add.reduce(x)) / n
-            dev = _scratch(n, x.dtype)
-            np.subtract(x, x.dtype.type(mean), out=dev)
-            part.count, part.mean, part.m2 = n, mean, float(np.add.reduce(np.square(dev, out=dev)))
-        part.lo, part.hi = float(lo), float(hi)
-        self.merge(part)
-        return part
-
-    def merge(self, part: "RunningStats") -> None:
-        self.nan += part.nan
-        self.inf += part.inf
-        if part.count == 0:
-            return
-        total = self.count + part.count
-        delta = part.mean - self.mean
-        self.mean += delta * part.count / total
-        self.m2 += part.m2 + delta * delta * self.count * part.count / total
-        self.lo, self.hi = min(self.lo, part.lo), max(self.hi, part.hi)
-        self.count = total
-
-    def result(self) -> dict:
-        if self.count == 0:
-            return {"min": None, "max": None, "mean": None, "std": None, "nan": self.nan, "inf": self.inf}
-        return {"min": self.lo, "max": self.hi, "mean": self.mean, "std": math.sqrt(self.m2 / self.count),
-                "nan": self.nan, "inf": self.inf}
-
-
-_local = threading.local()
-
-
-def _scratch(n: int, dtype: np.dtype, use: str = "dev") -> np.ndarray:
-    """A per-thread reusable buffer (one per `use`): no temporaries allocated per chunk."""
-    key = f"{use}_{np.dtype(dtype).char}"
-    buf = getattr(_local, key, None)
-    if buf is None or buf.size < n:
-        buf = np.empty(max(n, CHUNK_VALUES), dtype)
-        setattr(_local, key, buf)
-    return buf[:n]
-
-
-def rope_row_permutation(rows: int, head_dim: int, rotary_dim: int) -> np.ndarray:
-    """Source row for each output row under the interleaved layout (spec §2.1): within each head,
-    new row 2i = old row i, new row 2i+1 = old row i + rotary_dim/2; other rows stay."""
-    half = rotary_dim // 2
-    within = np.arange(head_dim)
-    within[0:rotary_dim:2] = np.arange(half)
-    within[1:rotary_dim:2] = np.arange(half) + half
-    heads = rows // head_dim
-    return (np.arange(heads)[:, None] * head_dim + within[None, :]).reshape(-1)
-
-
-class TensorSource:
-    """Reads output rows [start, end) of one planned tensor from the checkpoint, in source dtype."""
-
-    def __init__(self, ckpt: Checkpoint, tp: TensorPlan, model: dict, recipe_path: str):
-        self.tp, self.model, self.ckpt = tp, model, ckpt
-        self.arrays = [ckpt.array(s) for s in tp.sources]
-        if len(tp.shape) == 1:
-            self.arrays = [a.reshape(-1) for a in self.arrays]
-        self.offsets = np.cumsum([0] + [a.shape[0] for a in self.arrays])
-        self.perm = rope_row_permutation(tp.shape[0], model["head_dim"], model["rope"]["rotary_dim"]) \
-            if tp.permute_rope else None
-        self.transform = get_transform(tp.transform, f"{recipe_path}: transforms") if tp.transform else None
-
-    def rows(self, start: int, end: int) -> np.ndarray:
-        if self.perm is None:
-            return self._transformed(start, end)
-        # The permutation moves rows only within a head, so the source span [lo, hi) is at most a
-        # head wider than the page. The transform sees it in source order with its source row
-        # numbers (as documented); the permutation applies to its result, as to any source.
-        idx = self.perm[start:end]
-        lo, hi = int(idx.min()), int(idx.max()) + 1
-        return self._transformed(lo, hi)[idx - lo]
-
-    def _transformed(self, start: int, end: int) -> np.ndarray:
-        out = self._range(start, end)
-        if self.transform is not None:
-            out = self.transform(out, name=self.tp.name, start=start, end=end, model=self.model)
-            if out.shape[0] != end - start or list(out.shape[1:]) != self.tp.shape[1:]:
-                raise ConversionError(f"transform {self.tp.transform!r} changed the shape of {self.tp.name} rows "
-                                      f"[{start}, {end})")
-        return out
-
-    def release(self, start: int, end: int) -> None:
-        """Drop the source bytes behind output rows [start, end) from resident memory."""
-        if self.perm is not None:
-            idx = self.perm[start:end]
-            start, end = int(idx.min()), int(idx.max()) + 1
-        for name, a, off in zip(self.tp.sources, self.arrays, self.offsets):
-            s, e = max(start, off), min(end, off + a.shape[0])
-            if s < e:
-                row = a.nbytes // max(a.shape[0], 1)
-                self.ckpt.release(name, (s - off) * row, (e - off) * row)
-
-    def _range(self, start: int, end: int) -> np.ndarray:
-        pieces = []
-        for a, off in zip(self.arrays, self.offsets):
-            s, e = max(start, off), min(end, off + a.shape[0])
-            if s < e:
-                pieces.append(a[s - off: e - off])
-        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
-
-
-_BF16 = np.dtype(ml_dtypes.bfloat16)
-
-
-def _widened(x: np.ndarray) -> np.ndarray:
-    """x as float32 (float64 stays) in a reused per-thread buffer.
-
-    bf16 is the top half of an f32, so it widens by a 16-bit shift: exact for every pattern, and
-    a plain numpy integer loop, which releases the GIL (ml_dtypes' own casts hold it, which
-    would serialize the page threads)."""
-    if x.dtype in (np.float64, np.float32):
-        return np.ascontiguousarray(x)
-    out = _scratch(x.size, np.float32, "wide").reshape(x.shape)
-    if x.dtype == _BF16:
-        np.left_shift(x.view(np.uint16), 16, out=out.view(np.uint32), dtype=np.uint32)
-    else:
-        np.copyto(out, x, casting="unsafe")
-    return out
-
-
-def _bf16_to_f16(src: np.ndarray, out: np.ndarray) -> None:
-    """bf16 → f16, as numpy's cast rounds it, at integer speed (numpy's own cast is scalar code,
-    ~0.6 G values/s). A bf16 whose exponent is in f16's normal range converts exactly: same
-    sign, exponent rebiased (127 → 15), 7 mantissa bits shifted up by 3. Anything else (zeros,
-    f16 subnormals, overflow, Inf, NaN) goes through numpy's cast."""
-    u = src.reshape(-1).view(np.uint16)
-    h = out.reshape(-1).view(np.uint16)
-    np.bitwise_and(u, 0x7FFF, out=h)
-    normal = _scratch(u.size, np.uint16, "mask")
-    np.subtract(h, 0x3880, out=normal)  # wraps below the range: one unsigned comparison
-    np.subtract(h, 0x3800, out=h)  # exponent 127 - 112 bias → 15 bias, in bf16's bit positions
-    np.left_shift(h, 3, out=h)
-    np.bitwise_or(h, np.bitwise_and(u, 0x8000, out=_scratch(u.size, np.uint16, "sign")), out=h)
-    if normal.max() > 0x477F - 0x3880:  # some exponent outside f16's normal range [-14, 15]
-        odd = np.flatnonzero(normal > 0x477F - 0x3880)
-        with np.errstate(over="ignore", invalid="ignore"):
-            h[odd] = u[odd].view(_BF16).astype(np.float32).astype(np.float16).view(np.uint16)
-
-
-def _f32_to_bf16(src: np.ndarray, out: np.ndarray) -> None:
-    """f32 → bf16 rounded to nearest even, as ml_dtypes rounds it, by integer arithmetic (which,
-    unlike ml_dtypes' cast, releases the GIL): add 0x7FFF plus the lowest kept bit, keep the top
-    16 bits. Exact for every finite value, subnormals and overflow to Inf included; NaNs (which
-    must stay NaN) go through ml_dtypes."""
-    u = src.reshape(-1).view(np.uint32)
-    t = _scratch(u.size, np.uint32, "round")
-    np.right_shift(u, 16, out=t)
-    np.bitwise_and(t, 1, out=t)
-    np.add(t, 0x7FFF, out=t)
-    np.add(t, u, out=t)
-    np.right_shift(t, 16, out=t)
-    h = out.reshape(-1).view(np.uint16)
-    np.copyto(h, t, casting="unsafe")
-    np.bitwise_and(u, 0x7FFFFFFF, out=t)
-    if t.max() > 0x7F800000:  # some NaN
-        nan = np.flatnonzero(t > 0x7F800000)
-        with np.errstate(invalid="ignore"):
-            h[nan] = src.reshape(-1)[nan].astype(_BF16).view(np.uint16)
-
-
-def _as_bytes(a: np.ndarray) -> np.ndarray:
-    """A contiguous uint8 view (bf16 arrays cannot export a buffer themselves)."""
-    return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-
-
-@dataclass
-class PageOutput:
-    """What producing a page measured (its bytes went to `emit`)."""
-
-    stats: RunningStats | None = None  # source-value statistics
-    qerr: Any = None  # thinconv.quant.QuantErrorStats of a block-quantized page
-
-
-CHUNK_VALUES = 1 << 20  # values per work chunk: temporaries stay a few MiB whatever the page size
-
-
-class PageMaker:
-    """Produces the exact bytes of every page of a plan (deterministic: the same on any host).
-
-    A page is produced in row chunks of ~CHUNK_VALUES values, each handed to `emit` (which hashes
-    and writes it) and its source rows dropped from memory before the next: no page-sized buffer
-    exists, only a few MiB of per-thread temporaries."""
-
-    def __init__(self, ckpt: Checkpoint, plan: Plan):
-        self.ckpt, self.plan = ckpt, plan
-        self._sources: dict[str, TensorSource] = {}
-        self._rope: np.ndarray | None = None
-
-    def source(self, tp: TensorPlan) -> TensorSource:
-        if tp.name not in self._sources:
-            self._sources[tp.name] = TensorSource(self.ckpt, tp, self.plan.model, self.plan.recipe.path)
-        return self._sources[tp.name]
-
-    def make(self, tp: TensorPlan, start: int, end: int, emit: Callable[[np.ndarray], None]) -> PageOutput:
-        """Emit the bytes of output rows [start, end) of `tp` in order; return what was measured:
-        the source values' statistics, and the quantization error of a block-quantized page."""
-        stats = RunningStats()
-        if tp.name == "rope_freqs":
-            if self._rope is None:
-                self._rope = np.ascontiguousarray(model_rope_freqs(self.plan.model), dtype="<f4")
-            stats.add(self._rope)
-            emit(_as_bytes(self._rope))
-            return PageOutput(stats)
-        source = self.source(tp)
-        step = max(1, CHUNK_VALUES // (tp.shape[1] if len(tp.shape) == 2 else 1))
-        qerr = None
-        if tp.dtype in spec.BLOCK_DTYPES:
-            from thinconv.quant import QuantErrorStats
-
-            qerr = QuantErrorStats()
-        for a in range(start, end, step):
-            b = min(a + step, end)
-            src = source.rows(a, b)
-            if qerr is not None:
-                emit(self._quantize(tp, src, stats, qerr))
-            else:
-                emit(self._cast(tp, src, stats))
-            source.release(a, b)
-        return PageOutput(stats, qerr)
-
-    @staticmethod
-    def _cast(tp: TensorPlan, src: np.ndarray, stats: RunningStats) -> np.ndarray:
-        want = NUMPY_OUT[tp.dtype]
-        wide = _widened(src)  # exact: every source dtype widens to f32 (f64 stays f64)
-        part = stats.add(wide)
-        if src.dtype == want:  # passthrough: the chunk is a view of the source
-            return _as_bytes(src)
-        out = _scratch(src.size, want, "out").reshape(src.shape)
-        if src.dtype == _BF16 and want == np.float16:
-            _bf16_to_f16(src, out)
-        elif want == _BF16 and wide.dtype == np.float32:
-            _f32_to_bf16(wide, out)
-        else:
-            # Cast from the exact wide values: equal to a direct cast (tests/test_casts.py checks
-            # bf16 ↔ f16 on all 65,536 inputs) and faster. Overflow is reported below, not warned.
-            with np.errstate(over="ignore", invalid="ignore"):
-                out[...] = wide
-        if part.count and max(-part.lo, part.hi) > float(ml_dtypes.finfo(want).max):
-            PageMaker._check_range(tp, wide, out, want)
-        return _as_bytes(out)
-
-    @staticmethod
-    def _quantize(tp: TensorPlan, src: np.ndarray, stats: RunningStats, qerr: Any) -> np.ndarray:
-        from thinconv.quant import NonFiniteError, quantize_rows
-
-        # The quantizer's input: the source upcast exactly to f32 (the quantizer does it tile by
-        # tile; an f64 source is rounded to f32 first). It adds the error of these rows to qerr.
-        if src.dtype == np.float64:
-            src = src.astype(np.float32)
-        out = _scratch(src.shape[0] * tp.row_bytes, np.uint8, "out").reshape(src.shape[0], tp.row_bytes)
-        try:
-            with np.errstate(all="ignore"):  # an overflowing block scale is reported as one error later
-                quantize_rows(src, tp.dtype, out=out, report=qerr)
-        except NonFiniteError:
-            raise ConversionError(f"tensor {tp.name} ({', '.join(tp.sources)}) holds values that are NaN or Inf in "
-                                  f"float32, which {tp.dtype} cannot represent; keep it in a float dtype or fix the "
-                                  f"checkpoint") from None
-        stats.add(_widened(src))
-        return _as_bytes(out)
-
-    @staticmethod
-    def _check_range(tp: TensorPlan, src: np.ndarray, out: np.ndarray, want: np.dtype) -> None:
-        """Any narrowing cast (f64 sources → f32 included) must not turn finite values into Inf
-        (called only for chunks whose finite values reach beyond the target's range)."""
-        limit = float(ml_dtypes.finfo(want).max)
-        with np.errstate(over="ignore", invalid="ignore"):
-            overflow = np.isinf(out) & np.isfinite(src)
-        if overflow.any():
-            worst = float(np.abs(src[overflow].astype(np.float64)).max())
-            hint = {"f16": "use --dtype bf16 or f32", "bf16": "use --dtype f32"}.get(
-                tp.dtype, "f32 is the widest THIN dtype: fix the checkpoint")
-            raise ConversionError(f"tensor {tp.name} ({', '.join(tp.sources)}): {int(overflow.sum())} value(s) beyond "
-                                  f"the {tp.dtype} range (largest |x| = {worst:g} > {limit:g}); {hint}")
 
 
 @dataclass
@@ -484,8 +166,6 @@ class _ProbeThread(threading.Thread):
         self.error: BaseException | None = None
 
     def run(self) -> None:
-        from thinconv.check import conversion_probe
-
         try:
             self.probe, self.note = conversion_probe(self.ckpt, self.plan, wait=self.gate.wait_rows)
         except _StreamAborted:
@@ -554,8 +234,6 @@ def convert(ckpt: Checkpoint, plan: Plan, out: str | os.PathLike, *, force: bool
             return hasher.hexdigest(), page
 
         progress.start("converting", plan.total_bytes)
-        from threadpoolctl import threadpool_limits
-
         # The probe's matmuls would otherwise start BLAS threads that spin against the page workers.
         with threadpool_limits(limits=1, user_api="blas"):
             checksums, outputs, probe, probe_note = _stream(ckpt, plan, jobs, produce, progress)
@@ -679,8 +357,6 @@ _QUANT_PLACEHOLDER = {"rmse": 0.00012345678901234567, "max_abs_err": 0.012345678
 def _probe_placeholder(plan: Plan) -> dict | None:
     if not plan.options.probe or not spec.rope_freqs_present(plan.model):
         return None
-    from thinconv.check import PROBE_TOKENS, PROBE_TOP_K, default_tokens
-
     tokens = default_tokens(plan.model, PROBE_TOKENS)
     ids = [plan.model["vocab_size"] - 1] * PROBE_TOP_K
     return {"tokens": tokens, "top_k": PROBE_TOP_K, "source_dtype": "bf16",
@@ -740,10 +416,8 @@ def _tensor_entry(tp: TensorPlan) -> dict:
             "pages": [spec.page_id(tp.name, k) for k in range(len(tp.pages))]}
 
 
-def select_recipe(registry, ckpt: Checkpoint, recipe_name: str | None, label: str):
+def select_recipe(registry: Registry, ckpt: Checkpoint, recipe_name: str | None, label: str) -> Recipe:
     """The recipe for `ckpt`: by config.json's architectures, or the named one if it handles them."""
-    from thinconv.errors import RecipeError
-
     archs = ckpt.config.get("architectures") or []
     if recipe_name is None:
         return registry.for_architecture(archs, f"{label}/config.json")
@@ -755,8 +429,8 @@ def select_recipe(registry, ckpt: Checkpoint, recipe_name: str | None, label: st
 
 
 @contextmanager
-def open_plan(src: str | os.PathLike, options: "ConvertOptions | None" = None, *, recipe: str | None = None,
-              revision: str | None = None, token: str | None = None, registry=None,
+def open_plan(src: str | os.PathLike, options: ConvertOptions | None = None, *, recipe: str | None = None,
+              revision: str | None = None, token: str | None = None, registry: Registry | None = None,
               commit: str | None = None) -> Iterator[tuple[Checkpoint, Plan]]:
     """Open a local checkpoint folder or a hub repo id and plan its conversion (no tensor data read).
 
@@ -764,19 +438,15 @@ def open_plan(src: str | os.PathLike, options: "ConvertOptions | None" = None, *
     and $THINCONV_RECIPES recipes; the recipe is `recipe` or the one for config.json's architecture.
     `commit` pins a hub source to a commit resolved earlier (see open_checkpoint). The
     checkpoint stays open inside the `with` block."""
-    from thinconv.checkpoint.source import open_checkpoint
-    from thinconv.plan import ConvertOptions, plan_conversion
-    from thinconv.recipe import load_registry
-
     registry = registry if registry is not None else load_registry([])
     token = token if token is not None else os.environ.get("HF_TOKEN")
     with open_checkpoint(src, revision=revision, token=token, commit=commit) as ckpt:
         yield ckpt, plan_conversion(ckpt, select_recipe(registry, ckpt, recipe, str(src)), options or ConvertOptions())
 
 
-def convert_source(src: str | os.PathLike, out: str | os.PathLike, *, options: "ConvertOptions | None" = None,
+def convert_source(src: str | os.PathLike, out: str | os.PathLike, *, options: ConvertOptions | None = None,
                    recipe: str | None = None, revision: str | None = None, token: str | None = None,
-                   force: bool = False, registry=None, progress: Progress | None = None,
+                   force: bool = False, registry: Registry | None = None, progress: Progress | None = None,
                    commit: str | None = None) -> ConvertResult:
     """Convert a local checkpoint folder or a hub repo id to a .thin archive at `out` (what
     `thinconv convert` runs); arguments as for :func:`open_plan` and :func:`convert`."""

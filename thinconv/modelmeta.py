@@ -15,11 +15,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from thinconv.errors import ConversionError, RecipeError, UsageError
+from thinconv.format import schema
 
 _CONFIG = "config.json"
 _GENERATION = "generation_config.json"
 _SLIDING_RULES = ("none", "always", "use_sliding_window")
-_ROPE_LAYOUTS = ("half", "interleaved")
+_ROPE_LAYOUTS = schema.BY_PATH["rope.layout"].choices
 
 # Accepted keys of a source's rope parameters per type, as transformers 5 validates them. A key
 # outside these is refused: transformers ignores it with a warning, but it may mean a RoPE variant
@@ -145,7 +146,7 @@ def read_model_metadata(
     rope = _rope(config, head_dim=head_dim, max_pos=max_pos, layout=rope_layout)
     sliding_window, layer_types = _sliding(config, layers, rules.sliding_window)
 
-    return {
+    return schema.canonical_model({
         "architecture": architecture,
         "source_architecture": architectures[0],
         "hidden_size": hidden,
@@ -169,7 +170,7 @@ def read_model_metadata(
         },
         "rope": rope,
         "special_tokens": _special_tokens(config, generation_config or {}, vocab),
-    }
+    })
 
 
 def _head_dim(config: Mapping[str, Any], hidden: int, heads: int, rules: MetadataRules) -> int:

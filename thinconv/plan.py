@@ -4,30 +4,25 @@ tensor data is read. `map_checkpoint` is also what `thinconv recipe check` repor
 from __future__ import annotations
 
 import fnmatch
+import re
 from dataclasses import dataclass, field
 
 from thinconv.checkpoint.source import Checkpoint, SourceFile
 from thinconv.errors import ConversionError, UsageError
-from thinconv.format import spec
+from thinconv.format import dtypes, schema, spec
 from thinconv.format.writer import split_bytes, split_rows
 from thinconv.modelmeta import read_model_metadata
 from thinconv.recipe import Recipe
 from thinconv.transforms import get_transform
 
 DEFAULT_PAGE_SIZE = 16 * 1024 * 1024
-OUTPUT_DTYPES = ("auto", "bf16", "f16", "f32", "q8_0", "q4_0", "q4_1")
-ROPE_LAYOUTS = ("half", "interleaved")
-# safetensors dtype → THIN source dtype name; only floats are weights.
-SOURCE_DTYPES = {"F32": "f32", "F16": "f16", "BF16": "bf16", "F64": "f64", "F8_E4M3": "f8_e4m3", "F8_E5M2": "f8_e5m2"}
+OUTPUT_DTYPES = dtypes.OUTPUT_CHOICES
+ROPE_LAYOUTS = schema.BY_PATH["rope.layout"].choices
 ASSET_MEDIA_TYPES = {".json": "application/json", ".model": "application/octet-stream", ".jinja": "text/plain"}
-# Roles whose rows are permuted for the interleaved RoPE layout (spec §2.1).
-ROPE_ROLES = ("attn_q.weight", "attn_q.bias", "attn_k.weight", "attn_k.bias", "attn_q_norm.weight", "attn_k_norm.weight")
 
 
 def parse_page_size(text: str) -> int:
     """'16MiB', '16M', '4096' → bytes (the --page-size syntax, shared by the CLI and batch jobs)."""
-    import re
-
     m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(i?B)?\s*", text, re.IGNORECASE)
     if not m:
         raise UsageError(f"--page-size {text!r}: expected a byte count like 16MiB, 4M or 65536")
@@ -94,12 +89,12 @@ class TensorPlan:
 
     @property
     def quant(self) -> dict | None:
-        if self.dtype not in spec.BLOCK_DTYPES:
+        if not dtypes.is_block(self.dtype):
             return None
         # An f64 source reaches the quantizer rounded to f32 (as in any f64 → f32 conversion), and
-        # quant.source_dtype only names dtypes that upcast exactly (spec.SOURCE_DTYPES).
-        source = "f32" if self.source_dtype == "f64" else self.source_dtype
-        return {"scheme": self.dtype, "block_size": spec.BLOCK_SIZE, "block_bytes": spec.BLOCK_DTYPES[self.dtype],
+        # quant.source_dtype only names dtypes that upcast exactly (dtypes.QUANT_SOURCE_DTYPES).
+        source = self.source_dtype if dtypes.get(self.source_dtype).exact_f32 else "f32"
+        return {"scheme": self.dtype, "block_size": dtypes.BLOCK_SIZE, "block_bytes": dtypes.get(self.dtype).nbytes,
                 "source_dtype": source}
 
     @property
@@ -219,7 +214,7 @@ def map_checkpoint(ckpt: Checkpoint, recipe: Recipe, rope_layout: str = "half", 
         if layer is not None and layer >= model["num_layers"]:
             why = f"is for layer {layer}, but config.json has num_hidden_layers = {model['num_layers']}"
         else:
-            why = f"maps to {canonical}, which config.json rules out ({_flag_reason(model, role)})"
+            why = f"maps to {canonical}, which config.json rules out ({spec.ROLE[role].absent_because})"
         report.unexpected.extend(f"source tensor {s} {why}" for s in hits)
     for canonical in spec.tensor_names(model):
         if canonical == "rope_freqs" or canonical in report.mapped:
@@ -237,31 +232,6 @@ def map_checkpoint(ckpt: Checkpoint, recipe: Recipe, rope_layout: str = "half", 
     return report
 
 
-def _flag_reason(model: dict, role: str) -> str:
-    if role in ("attn_q.bias", "attn_k.bias", "attn_v.bias"):
-        return "no q/k/v bias"
-    if role == "attn_output.bias":
-        return "no output-projection bias"
-    if role in ("attn_q_norm.weight", "attn_k_norm.weight"):
-        return "no q/k norm"
-    return "not part of this model"
-
-
-_DIM_WHY = {
-    "attn_q": "num_attention_heads {num_attention_heads} × head_dim {head_dim}",
-    "attn_k": "num_key_value_heads {num_kv_heads} × head_dim {head_dim}",
-    "attn_v": "num_key_value_heads {num_kv_heads} × head_dim {head_dim}",
-    "token_embd": "vocab_size {vocab_size} × hidden_size {hidden_size}",
-    "output": "vocab_size {vocab_size} × hidden_size {hidden_size}",
-    "ffn_gate": "intermediate_size {intermediate_size} × hidden_size {hidden_size}",
-    "ffn_up": "intermediate_size {intermediate_size} × hidden_size {hidden_size}",
-    "ffn_down": "hidden_size {hidden_size} × intermediate_size {intermediate_size}",
-    "attn_output": "hidden_size {hidden_size} × (num_attention_heads {num_attention_heads} × head_dim {head_dim})",
-    "attn_q_norm": "head_dim {head_dim}",
-    "attn_k_norm": "head_dim {head_dim}",
-}
-
-
 def _check_shape_and_dtype(ckpt: Checkpoint, model: dict, canonical: str, sources: list[str], report: MappingReport) -> None:
     role, _ = spec.split_name(canonical)
     want = spec.expected_shape(model, role)
@@ -272,13 +242,13 @@ def _check_shape_and_dtype(ckpt: Checkpoint, model: dict, canonical: str, source
     else:
         got = [sum(s[0] for s in shapes), *want[1:]]
     if got != want:
-        why = _DIM_WHY.get(role.split(".")[0], "hidden_size {hidden_size}").format(**model)
+        why = spec.ROLE[role].dims.format(**model)
         report.shape_errors.append(f"tensor {', '.join(sources)} ({canonical}) has shape {got}, but config.json "
                                    f"implies {want} ({why})")
-    dtypes = {e.dtype for e in entries}
-    if len(dtypes) > 1 or next(iter(dtypes)) not in SOURCE_DTYPES:
-        report.dtype_errors.append(f"tensor {', '.join(sources)} ({canonical}) has dtype {'/'.join(sorted(dtypes))}; "
-                                   f"expected one float dtype ({', '.join(SOURCE_DTYPES)})")
+    codes = {e.dtype for e in entries}
+    if len(codes) > 1 or next(iter(codes)) not in dtypes.SOURCE_DTYPES:
+        report.dtype_errors.append(f"tensor {', '.join(sources)} ({canonical}) has dtype {'/'.join(sorted(codes))}; "
+                                   f"expected one float dtype ({', '.join(dtypes.SOURCE_DTYPES)})")
 
 
 def tied_head_problem(ckpt: Checkpoint, report: MappingReport) -> str | None:
@@ -317,16 +287,16 @@ def plan_conversion(ckpt: Checkpoint, recipe: Recipe, options: ConvertOptions) -
             source_dtype, sources = "f32", []
         else:
             sources = report.mapped[name]
-            source_dtype = SOURCE_DTYPES[ckpt.tensors[sources[0]].dtype]
+            source_dtype = dtypes.SOURCE_DTYPES[ckpt.tensors[sources[0]].dtype]
         dtype, note = _choose_dtype(recipe, options, model, role, shape, source_dtype)
         cols = shape[1] if len(shape) == 2 else 1
-        rb = spec.row_bytes(dtype, cols)
+        rb = dtypes.row_bytes(dtype, cols)
         pages = [(0, shape[0])] if len(shape) == 1 else split_rows(shape[0], rb, options.page_size)
         transform = next((t for g, t in reversed(recipe.transforms) if fnmatch.fnmatchcase(role, g)), None)
         if transform:
             get_transform(transform, f"{recipe.path}: transforms")
         tensors.append(TensorPlan(name, role, layer, sources, shape, source_dtype, dtype, pages, rb,
-                                  permute_rope=options.rope_layout == "interleaved" and role in ROPE_ROLES,
+                                  permute_rope=options.rope_layout == "interleaved" and spec.ROLE[role].rope_rows,
                                   transform=transform, note=note))
     assets = [AssetPlan(f, split_bytes(f.size, options.page_size)) for f in ckpt.asset_files()]
     return Plan(recipe, model, options, tensors, assets, report)
@@ -337,9 +307,9 @@ def _choose_dtype(recipe: Recipe, options: ConvertOptions, model: dict, role: st
     """The output dtype of one tensor, and a note when a requested block type could not apply."""
     if len(shape) == 1:
         return "f32", None
-    natural = source_dtype if source_dtype in spec.FLOAT_DTYPES else ("f32" if source_dtype == "f64" else "bf16")
+    natural = source_dtype if source_dtype in dtypes.FLOAT_DTYPES else ("f32" if source_dtype == "f64" else "bf16")
     dtype = options.dtype if options.dtype != "auto" else natural
-    if dtype in spec.BLOCK_DTYPES:
+    if dtypes.is_block(dtype):
         head = "output.weight" if not model["tie_word_embeddings"] else "token_embd.weight"
         if not recipe.is_quantizable(role):
             dtype = natural
@@ -347,10 +317,10 @@ def _choose_dtype(recipe: Recipe, options: ConvertOptions, model: dict, role: st
             dtype = "q8_0"  # the output head is the most sensitive tensor
     # A recipe's block-type default (e.g. ffn_down = q8_0) refines a quantized conversion; it must
     # not quantize one the user asked for in floats. The user's own --keep always applies.
-    recipe_keep = [(g, k) for g, k in recipe.keep if options.dtype in spec.BLOCK_DTYPES or k not in spec.BLOCK_DTYPES]
+    recipe_keep = [(g, k) for g, k in recipe.keep if dtypes.is_block(options.dtype) or not dtypes.is_block(k)]
     for glob, kept in (*recipe_keep, *options.keep):
         if fnmatch.fnmatchcase(role, glob):
             dtype = kept
-    if dtype in spec.BLOCK_DTYPES and shape[1] % spec.BLOCK_SIZE:
-        return natural, f"{shape[1]} cols is not a multiple of {spec.BLOCK_SIZE}: kept {natural} instead of {dtype}"
+    if dtypes.is_block(dtype) and shape[1] % dtypes.BLOCK_SIZE:
+        return natural, f"{shape[1]} cols is not a multiple of {dtypes.BLOCK_SIZE}: kept {natural} instead of {dtype}"
     return dtype, None

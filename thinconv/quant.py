@@ -27,12 +27,16 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import ml_dtypes
 import numpy as np
 
-BLOCK_SIZE = 32
-BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
-SOURCE_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+from thinconv.casts import BF16, bf16_to_f32, f16_to_f32
+from thinconv.format import dtypes
+from thinconv.format.blocks import dequantize_rows  # noqa: F401 - the quantizer's inverse, re-exported
+
+BLOCK_SIZE = dtypes.BLOCK_SIZE
+BLOCK_BYTES = {name: dtypes.get(name).nbytes for name in dtypes.BLOCK_DTYPES}
+# The quantizer's inputs: the float archive dtypes, which all upcast exactly to f32.
+SOURCE_DTYPES = tuple(dtypes.numpy_dtype(name) for name in dtypes.FLOAT_DTYPES)
 
 _F32 = np.float32
 _TILE_BLOCKS = 16384  # 512 Ki values: big enough to amortise GIL hand-offs, small enough for L3
@@ -41,8 +45,6 @@ _SUM_SLICE = 1 << 16  # values per float64 slice in the error sums
 _SAFE_SQ = (2.0**-40, 2.0**40)  # f32 sums of squares neither overflow nor underflow in here
 _SIGN = np.uint32(0x80000000)
 _ALMOST_HALF = np.uint32(0x3EFFFFFF)  # bits of 0.49999997f, the largest float below 0.5
-_F16_MASK = np.uint32(0x8FFFE000)  # sign + f16 exponent/mantissa after the <<13 shift
-_F16_SCALE = _F32(2.0**112)  # rebias f16 exponent (15) to f32 (127); exact for subnormals too
 
 
 class NonFiniteError(ValueError):
@@ -193,19 +195,10 @@ def _load_tile(src: np.ndarray, k: int, sc: _Scratch) -> np.ndarray:
         return L
     t = sc.src16[: k * BLOCK_SIZE].reshape(8, 4 * k)
     np.copyto(t.view("V8"), src.view("V8").reshape(k, 8).T)
-    if src.dtype == ml_dtypes.bfloat16:
-        # bf16 is the top half of an f32: a shift, exact, and it releases the GIL (ml_dtypes'
-        # cast holds it, which would serialize two quantizing threads).
-        np.left_shift(t, 16, out=L.view(np.uint32), dtype=np.uint32)
+    if src.dtype == BF16:
+        bf16_to_f32(t, L)  # exact, and GIL-free (ml_dtypes' cast would serialize two threads)
     else:
-        # numpy's f16->f32 cast is scalar (~1.3 ns/value); this bit trick is exact and ~5x faster.
-        # inf/NaN map to |x| >= 65536, which the caller rejects (finite f16 stop at 65504).
-        li = L.view(np.int32)
-        np.copyto(li, t.view(np.int16))  # sign-extends
-        lu = L.view(np.uint32)
-        np.left_shift(lu, np.uint32(13), out=lu)
-        np.bitwise_and(lu, _F16_MASK, out=lu)
-        np.multiply(L, _F16_SCALE, out=L)
+        f16_to_f32(t, L)  # exact for finite values; inf/NaN land at |x| >= 65536, rejected by the caller
     return L
 
 
@@ -243,6 +236,21 @@ def _first_nonfinite(bmax: np.ndarray, bmin: np.ndarray, is_f16: bool) -> int:
     return int(np.argmin(ok))
 
 
+@dataclass
+class _Tile:
+    """One tile of ``k`` blocks in the transposed layout, handed to a scheme's quantizer."""
+
+    L: np.ndarray  # the source values, f32 [8, 4k]
+    W: np.ndarray  # f32 work; a scheme leaves the dequantized values here when `dequant`
+    S: np.ndarray  # uint32 work
+    Q: np.ndarray  # uint8 quants [8, 4k]
+    bmax: np.ndarray  # per-block max, f32 [k]
+    bmin: np.ndarray  # per-block min
+    out: np.ndarray  # the blocks' bytes [k, block_bytes]
+    sc: _Scratch
+    dequant: bool  # the error report needs the dequantized values
+
+
 def _quant_tile(scheme: str, src: np.ndarray, out: np.ndarray, sc: _Scratch,
                 stats: QuantErrorStats | None, is_f16: bool) -> int:
     """Quantize ``out.shape[0]`` blocks of flat ``src`` into ``out`` [k, block_bytes].
@@ -257,84 +265,97 @@ def _quant_tile(scheme: str, src: np.ndarray, out: np.ndarray, sc: _Scratch,
     hi, lo = float(bmax.max()), float(bmin.min())  # NaN propagates through max/min
     if not (math.isfinite(hi) and math.isfinite(lo)) or (is_f16 and max(hi, -lo) >= 65536):
         return _first_nonfinite(bmax, bmin, is_f16)
-
-    if scheme == "q8_0":
-        amax = np.maximum(bmax, -bmin)
-        amax += _F32(0)  # C's amax is never -0.0
-        d = amax / _F32(127)
-        inv = _inverse(d)
-        np.multiply(L, np.repeat(inv, 4), out=W)
-        # roundf(v) = trunc(v + copysign(0.49999997f, v)) exactly for |v| < 2**23 (see tests);
-        # the int8 cast truncates.
-        np.bitwise_and(W.view(np.uint32), _SIGN, out=S)
-        np.bitwise_or(S, _ALMOST_HALF, out=S)
-        np.add(W, S.view(_F32), out=W)
-        Qi = Q.view(np.int8)
-        np.copyto(Qi, W, casting="unsafe")
-        _zero_bad(Q, inv)
-        np.copyto(out[:, 2:].view("V4"), Q.view("V4").T)
-        d16 = _put_f16(out[:, :2].view(np.float16)[:, 0], d)
-        if stats is not None:
-            np.copyto(W, Qi)
-            np.multiply(W, np.repeat(d16, 4), out=W)
-    else:
-        if scheme == "q4_0":
-            # C keeps the first value of largest magnitude, +0.0 for an all-zero block.
-            s = bmax + bmin  # < 0 exactly when -bmin > bmax, == 0 exactly on a magnitude tie
-            m = bmax.copy()
-            np.copyto(m, bmin, where=s < 0)
-            m += _F32(0)
-            ties = np.flatnonzero(s == 0)
-            if ties.size:
-                ties = ties[bmax[ties] != 0]
-                blocks = _natural_blocks(L, ties)
-                m[ties] = np.take_along_axis(blocks, np.abs(blocks).argmax(axis=1)[:, None], axis=1)[:, 0]
-            d = m / _F32(-8)
-            inv = _inverse(d)
-            np.multiply(L, np.repeat(inv, 4), out=W)
-            np.add(W, _F32(8.5), out=W)
-            off = 2
-        else:
-            # C keeps the first occurrence of min/max: only the sign of a zero can differ.
-            for ext, fn in ((bmin, np.argmin), (bmax, np.argmax)):
-                z = np.flatnonzero(ext == 0)
-                if z.size:
-                    blocks = _natural_blocks(L, z)
-                    ext[z] = np.take_along_axis(blocks, fn(blocks, axis=1)[:, None], axis=1)[:, 0]
-            d = (bmax - bmin) / _F32(15)
-            inv = _inverse(d)  # 0 when d overflowed to inf: those blocks are zeroed below
-            np.subtract(L, np.repeat(bmin, 4), out=W)
-            np.multiply(W, np.repeat(inv, 4), out=W)
-            np.add(W, _F32(0.5), out=W)
-            off = 4
-        # W is in [0, 16.5]: the uint8 cast truncates like C's (int8_t) cast.
-        np.copyto(Q, W, casting="unsafe")
-        np.minimum(Q, sc.fifteen[: 4 * k], out=Q)
-        _zero_bad(Q, inv, d if scheme == "q4_1" else None)
-        P = sc.p[: 16 * k].reshape(4, 4 * k)
-        # rows 4..7 hold values 16..31, the high nibbles; all quants are <= 15 here, so shifting
-        # four at a time as uint32 never carries into the neighbouring byte.
-        np.left_shift(Q[4:].view(np.uint32), np.uint32(4), out=P.view(np.uint32))
-        np.bitwise_or(P, Q[:4], out=P)
-        np.copyto(out[:, off:].view("V4"), P.view("V4").T)
-        head = out[:, :off].view(np.float16)
-        d16 = _put_f16(head[:, 0], d)
-        if scheme == "q4_1":
-            m16 = _put_f16(head[:, 1], bmin)
-        if stats is not None:
-            if scheme == "q4_0":
-                np.subtract(Q, np.uint8(8), out=Q)  # wraps to the int8 value q - 8
-                np.copyto(W, Q.view(np.int8))
-            else:
-                np.copyto(W, Q)
-            np.multiply(W, np.repeat(d16, 4), out=W)
-            if scheme == "q4_1":
-                np.add(W, np.repeat(m16, 4), out=W)
-
+    _QUANTIZERS[scheme](_Tile(L, W, S, Q, bmax, bmin, out, sc, stats is not None))
     if stats is not None:
         np.subtract(W, L, out=W)
         stats._add_diff(W, L, max(hi, -lo))
     return -1
+
+
+def _quant_q8_0(t: _Tile) -> None:
+    """x = d·q, d = amax / 127, q = round-half-away(x / d)."""
+    amax = np.maximum(t.bmax, -t.bmin)
+    amax += _F32(0)  # C's amax is never -0.0
+    d = amax / _F32(127)
+    inv = _inverse(d)
+    np.multiply(t.L, np.repeat(inv, 4), out=t.W)
+    # roundf(v) = trunc(v + copysign(0.49999997f, v)) exactly for |v| < 2**23 (see tests);
+    # the int8 cast truncates.
+    np.bitwise_and(t.W.view(np.uint32), _SIGN, out=t.S)
+    np.bitwise_or(t.S, _ALMOST_HALF, out=t.S)
+    np.add(t.W, t.S.view(_F32), out=t.W)
+    Qi = t.Q.view(np.int8)
+    np.copyto(Qi, t.W, casting="unsafe")
+    _zero_bad(t.Q, inv)
+    np.copyto(t.out[:, 2:].view("V4"), t.Q.view("V4").T)
+    d16 = _put_f16(t.out[:, :2].view(np.float16)[:, 0], d)
+    if t.dequant:
+        np.copyto(t.W, Qi)
+        np.multiply(t.W, np.repeat(d16, 4), out=t.W)
+
+
+def _quant_q4_0(t: _Tile) -> None:
+    """x = d·(q − 8), d = m / −8 with m the value of largest magnitude, q = trunc(x / d + 8.5)."""
+    # C keeps the first value of largest magnitude, +0.0 for an all-zero block.
+    s = t.bmax + t.bmin  # < 0 exactly when -bmin > bmax, == 0 exactly on a magnitude tie
+    m = t.bmax.copy()
+    np.copyto(m, t.bmin, where=s < 0)
+    m += _F32(0)
+    ties = np.flatnonzero(s == 0)
+    if ties.size:
+        ties = ties[t.bmax[ties] != 0]
+        blocks = _natural_blocks(t.L, ties)
+        m[ties] = np.take_along_axis(blocks, np.abs(blocks).argmax(axis=1)[:, None], axis=1)[:, 0]
+    d = m / _F32(-8)
+    inv = _inverse(d)
+    np.multiply(t.L, np.repeat(inv, 4), out=t.W)
+    np.add(t.W, _F32(8.5), out=t.W)
+    d16 = _pack_nibbles(t, d, inv, offset=2)
+    if t.dequant:
+        np.subtract(t.Q, np.uint8(8), out=t.Q)  # wraps to the int8 value q - 8
+        np.copyto(t.W, t.Q.view(np.int8))
+        np.multiply(t.W, np.repeat(d16, 4), out=t.W)
+
+
+def _quant_q4_1(t: _Tile) -> None:
+    """x = d·q + m, m = min, d = (max − min) / 15, q = trunc((x − m) / d + 0.5)."""
+    # C keeps the first occurrence of min/max: only the sign of a zero can differ.
+    for ext, fn in ((t.bmin, np.argmin), (t.bmax, np.argmax)):
+        z = np.flatnonzero(ext == 0)
+        if z.size:
+            blocks = _natural_blocks(t.L, z)
+            ext[z] = np.take_along_axis(blocks, fn(blocks, axis=1)[:, None], axis=1)[:, 0]
+    d = (t.bmax - t.bmin) / _F32(15)
+    inv = _inverse(d)  # 0 when d overflowed to inf: those blocks are zeroed below
+    np.subtract(t.L, np.repeat(t.bmin, 4), out=t.W)
+    np.multiply(t.W, np.repeat(inv, 4), out=t.W)
+    np.add(t.W, _F32(0.5), out=t.W)
+    d16 = _pack_nibbles(t, d, inv, offset=4, bad_d=d)
+    m16 = _put_f16(t.out[:, :4].view(np.float16)[:, 1], t.bmin)
+    if t.dequant:
+        np.copyto(t.W, t.Q)
+        np.multiply(t.W, np.repeat(d16, 4), out=t.W)
+        np.add(t.W, np.repeat(m16, 4), out=t.W)
+
+
+def _pack_nibbles(t: _Tile, d: np.ndarray, inv: np.ndarray, offset: int, bad_d: np.ndarray | None = None) -> np.ndarray:
+    """The q4 types' common tail: quants from W (in [0, 16.5]), capped at 15, packed two per byte
+    after the block's `offset`-byte header; stores d as f16 and returns it as f32."""
+    k = t.out.shape[0]
+    # the uint8 cast truncates like C's (int8_t) cast.
+    np.copyto(t.Q, t.W, casting="unsafe")
+    np.minimum(t.Q, t.sc.fifteen[: 4 * k], out=t.Q)
+    _zero_bad(t.Q, inv, bad_d)
+    P = t.sc.p[: 16 * k].reshape(4, 4 * k)
+    # rows 4..7 hold values 16..31, the high nibbles; all quants are <= 15 here, so shifting
+    # four at a time as uint32 never carries into the neighbouring byte.
+    np.left_shift(t.Q[4:].view(np.uint32), np.uint32(4), out=P.view(np.uint32))
+    np.bitwise_or(P, t.Q[:4], out=P)
+    np.copyto(t.out[:, offset:].view("V4"), P.view("V4").T)
+    return _put_f16(t.out[:, :offset].view(np.float16)[:, 0], d)
+
+
+_QUANTIZERS = {"q8_0": _quant_q8_0, "q4_0": _quant_q4_0, "q4_1": _quant_q4_1}
 
 
 def _zero_bad(Q: np.ndarray, inv: np.ndarray, d: np.ndarray | None = None) -> None:
@@ -417,31 +438,3 @@ def quantize_chunked(src: np.ndarray, scheme: str, *, chunk_rows: int | None = N
     for p in parts:
         stats.merge(p)
     return out, stats
-
-
-def dequantize_rows(data: np.ndarray | bytes | memoryview, scheme: str, cols: int) -> np.ndarray:
-    """Decode block-quantized rows of ``cols`` values to f32 [rows, cols] (same as gguf-py)."""
-    bb = _check_scheme(scheme)
-    if cols <= 0 or cols % BLOCK_SIZE:
-        raise ValueError(f"dequantize_rows: cols ({cols}) must be a positive multiple of {BLOCK_SIZE}")
-    raw = np.frombuffer(data, np.uint8) if not isinstance(data, np.ndarray) else data.view(np.uint8).reshape(-1)
-    row_bytes = cols // BLOCK_SIZE * bb
-    if raw.size % row_bytes:
-        raise ValueError(f"dequantize_rows: {raw.size} bytes is not a whole number of {scheme} rows of {cols} values")
-    blocks = raw.reshape(-1, bb)
-    d = blocks[:, 0:2].view(np.float16).astype(_F32)
-    if scheme == "q8_0":
-        y = blocks[:, 2:].view(np.int8).astype(_F32)
-        y *= d
-    else:
-        qs = blocks[:, bb - 16:]
-        y = np.empty((blocks.shape[0], BLOCK_SIZE), _F32)
-        np.bitwise_and(qs, np.uint8(15), out=y[:, :16], casting="unsafe")
-        np.right_shift(qs, np.uint8(4), out=y[:, 16:], casting="unsafe")
-        if scheme == "q4_0":
-            y -= _F32(8)
-            y *= d
-        else:
-            y *= d
-            y += blocks[:, 2:4].view(np.float16).astype(_F32)
-    return y.reshape(-1, cols)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from thinconv.errors import RecipeError
-from thinconv.format import spec
+from thinconv.format import dtypes, spec
 from thinconv.modelmeta import MetadataRules
 
 LAYER = "{L}"
@@ -174,7 +174,7 @@ def _build(raw: dict, label: str, chain: tuple[str, ...]) -> Recipe:
     if not isinstance(keep, dict) or not all(isinstance(v, str) for v in keep.values()):
         raise err("keep", "expected a table of role glob = dtype")
     for g, dt in keep.items():
-        if dt not in (*spec.FLOAT_DTYPES, *spec.BLOCK_DTYPES):
+        if dt not in dtypes.ARCHIVE_DTYPES:
             raise err(f"keep.{g!r}", f"unknown dtype {dt!r}")
     transforms = raw.get("transforms", {})
     if not isinstance(transforms, dict) or not all(isinstance(v, str) for v in transforms.values()):

@@ -21,6 +21,7 @@ import ml_dtypes
 import numpy as np
 
 from thinconv.errors import CheckpointError
+from thinconv.memory import FAULT_AROUND, drop_resident
 
 MAX_HEADER_SIZE = 100_000_000  # same limit as the Rust crate
 
@@ -54,9 +55,6 @@ class TensorEntry:
     offset: int  # absolute file offset of the first data byte
     nbytes: int
     path: Path
-
-
-_FAULT_AROUND = 64 * 1024  # /proc/sys/vm/fault_around_bytes' default
 
 
 class SafetensorsFile:
@@ -93,15 +91,13 @@ class SafetensorsFile:
 
         The page cache keeps them and a later read maps them back in; this only keeps RSS
         bounded while a converter streams a model much larger than a page through the mmap."""
-        from thinconv.format.reader import drop_resident
-
         entry = self.entries.get(name)
         if entry is not None and self._mmap is not None and end > start:
             # Widened by the kernel's fault-around (64 KiB): reading a byte maps its cached
             # neighbours too, which would otherwise stay resident past a tensor's ends. A
             # neighbour still in use is simply mapped again from the page cache.
-            lo = max(0, entry.offset + start - _FAULT_AROUND)
-            drop_resident(self._mmap, lo, entry.offset + end + _FAULT_AROUND - lo)
+            lo = max(0, entry.offset + start - FAULT_AROUND)
+            drop_resident(self._mmap, lo, entry.offset + end + FAULT_AROUND - lo)
 
     def close(self) -> None:
         """Release the mapping; views already handed out keep it alive until they are freed."""

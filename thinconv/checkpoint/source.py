@@ -119,11 +119,11 @@ def open_checkpoint(src: str | Path, *, revision: str | None = None,
                                   " to hub repo ids")
         root, label, repo_id, commit = path, str(path), None, None
         index = _read_index(root, label)
-    elif isinstance(src, str) and not path.exists() and _looks_like_repo_id(src):
+    elif isinstance(src, str) and not path.exists() and looks_like_repo_id(src):
         repo_id, label = src, src
         revision = revision or "main"
         try:
-            root = _hub_download(repo_id, commit or revision, token, _HUB_META_PATTERNS)
+            root = hub_download(repo_id, commit or revision, token, _HUB_META_PATTERNS)
         except CheckpointError as error:
             if path.parent.is_dir():  # `examples/typo`: most likely a mistyped local path
                 raise CheckpointError(f"{src}: no such local folder (in {path.parent}/); read as a hub repo "
@@ -133,7 +133,7 @@ def open_checkpoint(src: str | Path, *, revision: str | None = None,
         index = _read_index(root, label)
         shard_patterns = sorted(set(index.values())) if index is not None else ["*.safetensors"]
         # Pin the commit so both downloads come from the same snapshot.
-        _hub_download(repo_id, commit, token, shard_patterns)
+        hub_download(repo_id, commit, token, shard_patterns)
     elif path.exists():
         raise CheckpointError(f"{src}: is a file, expected a checkpoint folder or a hub repo id"
                               " (org/name)")
@@ -165,9 +165,11 @@ def open_checkpoint(src: str | Path, *, revision: str | None = None,
                       files=files, tensors=tensors, _shards=shards, _owner=owner)
 
 
-def _looks_like_repo_id(src: str) -> bool:
+def looks_like_repo_id(src: str) -> bool:
+    """Whether `src` is spelled like a Hugging Face repo id (``org/name``)."""
     if not _REPO_ID_RE.fullmatch(src):
         return False
+    # huggingface_hub is imported only for hub sources: it costs ~0.2 s of start-up.
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     try:
@@ -177,8 +179,10 @@ def _looks_like_repo_id(src: str) -> bool:
     return True
 
 
-def _hub_download(repo_id: str, revision: str, token: str | None, patterns: list[str]) -> Path:
-    """``snapshot_download`` (honours HF_HOME, HF_TOKEN, HF_HUB_OFFLINE), errors made one line."""
+def hub_download(repo_id: str, revision: str, token: str | None, patterns: list[str]) -> Path:
+    """Download the files of `repo_id` at `revision` matching `patterns` into the HF cache and
+    return the snapshot folder (``snapshot_download``: honours HF_HOME, HF_TOKEN, HF_HUB_OFFLINE).
+    Every failure is a one-line :class:`CheckpointError`."""
     from huggingface_hub import constants, errors, snapshot_download
     from huggingface_hub.errors import (
         DisabledRepoError,

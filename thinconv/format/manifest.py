@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from thinconv.errors import ThinFormatError
-from thinconv.format import spec
+from thinconv.format import dtypes, schema, spec
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
@@ -171,96 +171,103 @@ def _short(v: Any) -> str:
 
 # -- the manifest sections --
 
-_MODEL_INTS = (
-    "hidden_size", "intermediate_size", "num_layers", "num_attention_heads", "num_kv_heads",
-    "head_dim", "vocab_size", "max_position_embeddings",
-)
-_MODEL_KEYS = ("architecture", "source_architecture", *_MODEL_INTS, "tie_word_embeddings", "norm", "mlp",
-               "attention", "rope", "special_tokens")
-
-
 def _check_model(c: _Checker, m: Any) -> bool:
-    """Presence and types of `model` (spec §2.1). Returns whether tensors can be checked against it."""
-    p = "model"
-    if not c.obj(m, p, _MODEL_KEYS):
-        return False
-    ok = all([c.str(m.get("architecture"), f"{p}.architecture"),
-              c.str(m.get("source_architecture"), f"{p}.source_architecture")])
-    ok &= all([c.int(m.get(k), f"{p}.{k}", lo=1) for k in _MODEL_INTS])
-    ok &= c.bool(m.get("tie_word_embeddings"), f"{p}.tie_word_embeddings")
-    if ok and m["num_attention_heads"] % m["num_kv_heads"]:
-        c.r.add(f"{p}.num_kv_heads", f"{m['num_kv_heads']} does not divide num_attention_heads {m['num_attention_heads']}")
+    """`model` against its schema (format/schema.py), then the rules between keys. Returns whether
+    tensors can be checked against it: nothing under `model` was reported."""
+    before = len(c.r.errors)
+    if c.obj(m, "model"):
+        _check_object(c, m, m, "", "model")
+        _check_model_rules(c, m)
+    return len(c.r.errors) == before
 
-    norm = m.get("norm")
-    if c.obj(norm, f"{p}.norm", ("type", "eps")):
-        ok &= c.str(norm.get("type"), f"{p}.norm.type", ("rmsnorm",)) & c.num(norm.get("eps"), f"{p}.norm.eps", positive=True)
-    else:
-        ok = False
-    mlp = m.get("mlp")
-    if c.obj(mlp, f"{p}.mlp", ("type", "activation")):
-        c.str(mlp.get("type"), f"{p}.mlp.type", ("gated",))
-        c.str(mlp.get("activation"), f"{p}.mlp.activation", ("silu",))
 
-    att, ap = m.get("attention"), f"{p}.attention"
-    if c.obj(att, ap, ("qkv_bias", "o_bias", "qk_norm", "sliding_window", "layer_types", "scale")):
-        ok &= all([c.bool(att.get(k), f"{ap}.{k}") for k in ("qkv_bias", "o_bias", "qk_norm")])
-        window_ok = c.int(att.get("sliding_window"), f"{ap}.sliding_window", lo=1, null=True)
-        c.num(att.get("scale"), f"{ap}.scale", positive=True)
-        types = att.get("layer_types")
-        if c.list(types, f"{ap}.layer_types"):
-            if _is_int(m.get("num_layers")) and m["num_layers"] >= 1 and len(types) != m["num_layers"]:
-                c.r.add(f"{ap}.layer_types", f"has {len(types)} entries, expected num_layers = {m['num_layers']}")
-            for i, t in enumerate(types):
-                if c.str(t, f"{ap}.layer_types[{i}]", ("full", "sliding")) and t == "sliding" and window_ok \
-                        and att.get("sliding_window") is None:
-                    c.r.add(f"{ap}.layer_types[{i}]", "is 'sliding' but sliding_window is null")
-    else:
-        ok = False
+def _check_object(c: _Checker, model: dict, node: dict, parent: str, where: str) -> None:
+    """One object of the schema: required keys present, no unknown key, each key's value."""
+    keys = schema.children(parent)
+    for k in keys:
+        if k.name not in node and not k.optional:
+            c.r.add(_join(where, k.name), "missing")
+    for extra in sorted(set(node) - {k.name for k in keys}):
+        c.r.add(_join(where, extra), "unknown key")
+    for k in keys:
+        if k.name in node:
+            _check_key(c, model, k, node[k.name], _join(where, k.name))
 
-    rope, rp = m.get("rope"), f"{p}.rope"
-    if c.obj(rope, rp, ("theta", "rotary_dim", "layout", "scaling", "attention_factor")):
-        c.num(rope.get("theta"), f"{rp}.theta", positive=True)
-        c.str(rope.get("layout"), f"{rp}.layout", ("half", "interleaved"))
-        c.num(rope.get("attention_factor"), f"{rp}.attention_factor", positive=True)
-        rd = rope.get("rotary_dim")
-        if c.int(rd, f"{rp}.rotary_dim", lo=2):
-            if rd % 2:
-                c.r.add(f"{rp}.rotary_dim", f"must be even, got {rd}")
-                ok = False
-            if _is_int(m.get("head_dim")) and m["head_dim"] >= 1 and rd > m["head_dim"]:
-                c.r.add(f"{rp}.rotary_dim", f"{rd} exceeds head_dim {m['head_dim']}")
-                ok = False
-        else:
-            ok = False
-        sc = rope.get("scaling")
-        if "scaling" not in rope:
-            ok = False  # reported missing above; which tensors exist (rope_freqs) depends on it
-        elif sc is not None:
-            if c.obj(sc, f"{rp}.scaling"):
-                if c.str(sc.get("type"), f"{rp}.scaling.type"):
-                    if sc["type"] == "default":
-                        c.r.add(f"{rp}.scaling.type", "'default' scaling must be written as scaling: null")
-                        ok = False  # which tensors exist (rope_freqs) cannot be told from it
-                else:
-                    ok = False
-                for k in ("rope_theta", "rope_type"):
-                    if k in sc:
-                        c.r.add(f"{rp}.scaling.{k}", "must not be repeated inside scaling")
-            else:
-                ok = False
-    else:
-        ok = False
 
-    st, sp = m.get("special_tokens"), f"{p}.special_tokens"
-    if c.obj(st, sp, ("bos", "eos", "pad")):
-        vocab = m.get("vocab_size") if _is_int(m.get("vocab_size")) else None
+def _check_key(c: _Checker, model: dict, key: schema.Key, v: Any, path: str) -> None:
+    before = len(c.r.errors)
+    if key.type == "object":
+        if c.obj(v, path):
+            _check_object(c, model, v, key.path, path)
+    elif key.type == "str":
+        c.str(v, path, key.choices or None, null=key.nullable)
+    elif key.type == "int":
+        c.int(v, path, lo=key.minimum, null=key.nullable)
+    elif key.type == "number":
+        c.num(v, path, positive=key.positive, null=key.nullable)
+    elif key.type == "bool":
+        c.bool(v, path)
+    elif key.type == "layers":
+        _check_layers(c, model, key, v, path)
+    elif key.type in ("token", "tokens"):
+        vocab = model.get("vocab_size") if _is_int(model.get("vocab_size")) else None
         hi = vocab - 1 if vocab else None
-        c.int(st.get("bos"), f"{sp}.bos", lo=0, hi=hi, null=True)
-        c.int(st.get("pad"), f"{sp}.pad", lo=0, hi=hi, null=True)
-        if c.list(st.get("eos"), f"{sp}.eos"):
-            for i, t in enumerate(st["eos"]):
-                c.int(t, f"{sp}.eos[{i}]", lo=0, hi=hi)
-    return ok
+        if key.type == "token":
+            c.int(v, path, lo=0, hi=hi, null=key.nullable)
+        elif c.list(v, path):
+            for i, t in enumerate(v):
+                c.int(t, f"{path}[{i}]", lo=0, hi=hi)
+    elif key.type == "scaling":
+        _check_scaling(c, v, path)
+    else:  # a schema row this validator does not know how to check
+        raise AssertionError(f"schema key {key.path}: unknown type {key.type!r}")
+    if len(c.r.errors) == before and schema.is_default(key, v):
+        c.r.add(path, f"is the default ({_short(v)}): a writer omits it")
+
+
+def _check_layers(c: _Checker, model: dict, key: schema.Key, v: Any, path: str) -> None:
+    """A list with one entry per layer: strings among `choices`, or booleans."""
+    if not c.list(v, path):
+        return
+    n = model.get("num_layers")
+    if _is_int(n) and n >= 1 and len(v) != n:
+        c.r.add(path, f"has {len(v)} entries, expected num_layers = {n}")
+    for i, item in enumerate(v):
+        if key.choices:
+            c.str(item, f"{path}[{i}]", key.choices)
+        else:
+            c.bool(item, f"{path}[{i}]")
+
+
+def _check_scaling(c: _Checker, sc: Any, path: str) -> None:
+    """rope.scaling: null, or the source's parameters with the kind in `type` (never "default")."""
+    if sc is None or not c.obj(sc, path):
+        return
+    if c.str(sc.get("type"), f"{path}.type") and sc["type"] == "default":
+        c.r.add(f"{path}.type", "'default' scaling must be written as scaling: null")
+    for k in ("rope_theta", "rope_type"):
+        if k in sc:
+            c.r.add(f"{path}.{k}", "must not be repeated inside scaling")
+
+
+def _check_model_rules(c: _Checker, m: dict) -> None:
+    """Rules between keys (each checked only when the keys it reads are themselves valid)."""
+    heads, kv, head_dim = m.get("num_attention_heads"), m.get("num_kv_heads"), m.get("head_dim")
+    if _is_int(heads) and _is_int(kv) and heads >= 1 and kv >= 1 and heads % kv:
+        c.r.add("model.num_kv_heads", f"{kv} does not divide num_attention_heads {heads}")
+    rope = m.get("rope") if isinstance(m.get("rope"), dict) else {}
+    rd = rope.get("rotary_dim")
+    if _is_int(rd) and rd >= 2:
+        if rd % 2:
+            c.r.add("model.rope.rotary_dim", f"must be even, got {rd}")
+        if _is_int(head_dim) and head_dim >= 1 and rd > head_dim:
+            c.r.add("model.rope.rotary_dim", f"{rd} exceeds head_dim {head_dim}")
+    att = m.get("attention") if isinstance(m.get("attention"), dict) else {}
+    window, types = att.get("sliding_window"), att.get("layer_types")
+    if window is None and "sliding_window" in att and isinstance(types, list):
+        for i, t in enumerate(types):
+            if t == "sliding":
+                c.r.add(f"model.attention.layer_types[{i}]", "is 'sliding' but sliding_window is null")
 
 
 def _check_tensor(c: _Checker, t: Any, path: str, model: dict | None) -> None:
@@ -290,23 +297,23 @@ def _check_tensor(c: _Checker, t: Any, path: str, model: dict | None) -> None:
     if isinstance(shape, list) and not shape_ok:
         c.r.add(f"{path}.shape", f"expected 1 or 2 positive integers, got {_short(shape)}")
     dtype = t.get("dtype")
-    dtype_ok = c.str(dtype, f"{path}.dtype", tuple(spec.FLOAT_DTYPES) + tuple(spec.BLOCK_DTYPES))
+    dtype_ok = c.str(dtype, f"{path}.dtype", dtypes.ARCHIVE_DTYPES)
     if shape_ok and dtype_ok:
         if len(shape) == 1 and dtype != "f32":
             c.r.add(f"{path}.dtype", f"1-D tensors are f32, got {dtype!r}")
-        if dtype in spec.BLOCK_DTYPES and shape[-1] % spec.BLOCK_SIZE:
+        if dtypes.is_block(dtype) and shape[-1] % dtypes.BLOCK_SIZE:
             c.r.add(f"{path}.dtype", f"{dtype} needs cols % 32 == 0, got {shape[-1]} cols")
         if model is not None and role in spec.ROLES:
             want = spec.expected_shape(model, role)
             if shape != want:
                 c.r.add(f"{path}.shape", f"expected {want} from model dimensions, got {shape}")
     quant = t.get("quant")
-    if dtype_ok and dtype in spec.BLOCK_DTYPES:
+    if dtype_ok and dtypes.is_block(dtype):
         if c.obj(quant, f"{path}.quant", ("scheme", "block_size", "block_bytes", "source_dtype")):
             c.eq(quant.get("scheme"), f"{path}.quant.scheme", dtype)
-            c.eq(quant.get("block_size"), f"{path}.quant.block_size", spec.BLOCK_SIZE)
-            c.eq(quant.get("block_bytes"), f"{path}.quant.block_bytes", spec.BLOCK_DTYPES[dtype])
-            c.str(quant.get("source_dtype"), f"{path}.quant.source_dtype", spec.SOURCE_DTYPES)
+            c.eq(quant.get("block_size"), f"{path}.quant.block_size", dtypes.BLOCK_SIZE)
+            c.eq(quant.get("block_bytes"), f"{path}.quant.block_bytes", dtypes.get(dtype).nbytes)
+            c.str(quant.get("source_dtype"), f"{path}.quant.source_dtype", dtypes.QUANT_SOURCE_DTYPES)
     elif quant is not None:
         c.r.add(f"{path}.quant", f"must be null for dtype {_short(dtype)}")
     hints = t.get("hints")
@@ -427,17 +434,17 @@ def _check_tensor_page(c: _Checker, pg: dict, path: str, t: dict, row_cursor: di
     row_cursor[name] = end
     shape, dtype = t.get("shape"), t.get("dtype")
     # An invalid shape or dtype is reported with the tensor; sizes cannot be derived from it.
-    if not _shape_ok(shape) or dtype not in (*spec.FLOAT_DTYPES, *spec.BLOCK_DTYPES):
+    if not _shape_ok(shape) or dtype not in dtypes.ARCHIVE_DTYPES:
         return
     if end > shape[0]:
         c.r.add(f"{path}.rows", f"end {end} is past dim 0 = {shape[0]} of {name!r}")
         return
     cols = shape[1] if len(shape) == 2 else 1
-    if dtype in spec.BLOCK_DTYPES and cols % spec.BLOCK_SIZE:
+    if dtypes.is_block(dtype) and cols % dtypes.BLOCK_SIZE:
         return
-    want = (end - start) * spec.row_bytes(dtype, cols)
+    want = (end - start) * dtypes.row_bytes(dtype, cols)
     if size_ok and pg["size"] != want:
-        c.r.add(f"{path}.size", f"expected {want} ({end - start} rows × {spec.row_bytes(dtype, cols)} bytes), got {pg['size']}")
+        c.r.add(f"{path}.size", f"expected {want} ({end - start} rows × {dtypes.row_bytes(dtype, cols)} bytes), got {pg['size']}")
 
 
 def _check_validation(c: _Checker, v: Any, names: set[str]) -> None:

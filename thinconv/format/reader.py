@@ -8,7 +8,6 @@ page checksums, the archive hash and zero padding. Every problem is a ThinFormat
 
 from __future__ import annotations
 
-import functools
 import mmap
 import os
 from dataclasses import dataclass, field
@@ -17,9 +16,10 @@ from typing import TYPE_CHECKING, Callable
 
 import blake3
 
-from thinconv.errors import ThinFormatError
-from thinconv.format import spec
+from thinconv.errors import ThinError, ThinFormatError
+from thinconv.format import dtypes, spec
 from thinconv.format.manifest import parse_manifest, validate_manifest
+from thinconv.memory import drop_resident
 
 if TYPE_CHECKING:
     import numpy as np
@@ -27,16 +27,6 @@ if TYPE_CHECKING:
 VERIFY_CHUNK = 16 * 1024 * 1024
 # Writers may compute the table in float32 or float64; both agree far inside this bound.
 ROPE_FREQS_TOLERANCE = 1e-5
-
-
-@functools.cache
-def numpy_dtypes() -> dict:
-    """numpy dtypes of the float dtypes. numpy and ml_dtypes load on the first tensor read, not at
-    import: `inspect` and `verify` never need them (they are ~0.1 s of start-up)."""
-    import ml_dtypes
-    import numpy as np
-
-    return {"f32": np.dtype("<f4"), "f16": np.dtype("<f2"), "bf16": np.dtype(ml_dtypes.bfloat16)}
 
 
 @dataclass(frozen=True)
@@ -237,11 +227,11 @@ class Archive:
     def tensor_bytes(self, name: str) -> np.ndarray:
         """A tensor's stored bytes as uint8 [rows, row_bytes]: zero-copy when its pages are contiguous
         in the file (thinconv sizes pages so they are), a copy otherwise."""
-        import numpy as np
+        import numpy as np  # lazy: `inspect` and `verify` never read a tensor (start-up time)
 
         t = self.tensor_info(name)
         shape = t["shape"]
-        rb = spec.row_bytes(t["dtype"], shape[1] if len(shape) == 2 else 1)
+        rb = dtypes.row_bytes(t["dtype"], shape[1] if len(shape) == 2 else 1)
         recs = [self.page(pid) for pid in t["pages"]]
         contiguous = all(b.offset == a.offset + a.size for a, b in zip(recs, recs[1:]))
         if contiguous:
@@ -264,10 +254,9 @@ class Archive:
         block-quantized tensors come back as their raw uint8 blocks (see `dequantize`)."""
         t = self.tensor_info(name)
         raw = self.tensor_bytes(name)
-        dtypes = numpy_dtypes()
-        if t["dtype"] in dtypes:
-            return raw.view(dtypes[t["dtype"]]).reshape(t["shape"])
-        return raw
+        if dtypes.is_block(t["dtype"]):
+            return raw
+        return raw.view(dtypes.numpy_dtype(t["dtype"])).reshape(t["shape"])
 
     def dequantize(self, name: str, rows: tuple[int, int] | None = None) -> np.ndarray:
         """A tensor as float32, decoding block-quantized dtypes; `rows` = (start, end) selects rows."""
@@ -276,11 +265,10 @@ class Archive:
         start, end = rows if rows is not None else (0, t["shape"][0])
         if not 0 <= start <= end <= t["shape"][0]:
             raise ThinFormatError(f"{self._name}: rows {rows} are outside [0, {t['shape'][0]}) of {name!r}")
-        dtypes = numpy_dtypes()
-        if t["dtype"] in dtypes:
-            arr = raw.view(dtypes[t["dtype"]]).reshape(t["shape"])
-            return arr[start:end].astype(dtypes["f32"])
-        from thinconv.quant import dequantize_rows  # only archives with block types need it
+        if not dtypes.is_block(t["dtype"]):
+            arr = raw.view(dtypes.numpy_dtype(t["dtype"])).reshape(t["shape"])
+            return arr[start:end].astype(dtypes.numpy_dtype("f32"))
+        from thinconv.format.blocks import dequantize_rows  # lazy: numpy (`inspect` start-up time)
 
         return dequantize_rows(raw[start:end], t["dtype"], t["shape"][1])
 
@@ -323,8 +311,9 @@ class Archive:
         frequencies from theta and one that reads the tensor must rotate alike."""
         if "rope_freqs" not in self._tensors:
             return []
-        from thinconv.errors import ThinError
-        from thinconv.rope import model_rope_freqs  # numpy-only RoPE math, shared with the converter
+        # Lazy: numpy-only RoPE math shared with the converter; numpy is not loaded until a check
+        # needs it (`inspect` start-up).
+        from thinconv.rope import model_rope_freqs
 
         m = self.model
         try:
@@ -354,19 +343,6 @@ class Archive:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def drop_resident(mm: mmap.mmap, pos: int, n: int) -> None:
-    """Tell the kernel this process is done with mapped bytes [pos, pos + n) (the page cache keeps
-    them; a later read maps them back). Keeps RSS bounded while a big file streams through."""
-    start = pos - pos % mmap.PAGESIZE
-    end = min(pos + n, len(mm))
-    if end <= start:
-        return
-    try:
-        mm.madvise(mmap.MADV_DONTNEED, start, end - start)
-    except (AttributeError, OSError, ValueError):
-        pass  # only a memory-footprint optimisation
 
 
 def open_archive(path: str | os.PathLike) -> Archive:

@@ -9,7 +9,10 @@ from __future__ import annotations
 import json
 import re
 import struct
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from thinconv.format.dtypes import BLOCK_SIZE, row_bytes  # noqa: F401 - part of the shared vocabulary
 
 MAGIC = b"THINv0\0\0"
 VERSION = 0
@@ -27,36 +30,7 @@ RECORD_MIN_LEN = 2 + 1 + RECORD_TAIL.size
 MAX_ID_LEN = 255
 ID_PATTERN = re.compile(r"[A-Za-z0-9._#:/-]{1,255}")
 
-FLOAT_DTYPES = {"f32": 4, "f16": 2, "bf16": 2}
-BLOCK_DTYPES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
-BLOCK_SIZE = 32
-# dtypes a quantized tensor may have come from (quant.source_dtype)
-SOURCE_DTYPES = ("f32", "f16", "bf16", "f8_e4m3", "f8_e5m2")
-
 TOP_LEVEL_KEYS = ("alignment", "assets", "format", "format_version", "model", "pages", "runtime", "tensors", "validation")
-
-# Per-layer roles in decode order; which of them exist depends on the model's flags.
-LAYER_ROLES = (
-    "attn_norm.weight",
-    "attn_q.weight",
-    "attn_q.bias",
-    "attn_k.weight",
-    "attn_k.bias",
-    "attn_v.weight",
-    "attn_v.bias",
-    "attn_q_norm.weight",
-    "attn_k_norm.weight",
-    "attn_output.weight",
-    "attn_output.bias",
-    "ffn_norm.weight",
-    "ffn_gate.weight",
-    "ffn_up.weight",
-    "ffn_down.weight",
-)
-GLOBAL_ROLES = ("rope_freqs", "token_embd.weight", "output_norm.weight", "output.weight")
-ROLES = GLOBAL_ROLES + LAYER_ROLES
-# Roles that are 2-D matrices (the rest — norms, biases, rope_freqs — are 1-D and always f32).
-MATRIX_ROLES = tuple(r for r in ROLES if r.endswith(".weight") and not r.endswith("norm.weight"))
 
 # Scaling types whose inverse frequencies are static, hence stored as `rope_freqs`.
 STATIC_ROPE_SCALINGS = (None, "linear", "llama3", "yarn")
@@ -86,15 +60,6 @@ def canonical_json(manifest: Any) -> bytes:
     ).encode("utf-8")
 
 
-def row_bytes(dtype: str, cols: int) -> int:
-    """Bytes in one row of `cols` elements (a 1-D tensor's "row" is one element: cols = 1)."""
-    if dtype in FLOAT_DTYPES:
-        return cols * FLOAT_DTYPES[dtype]
-    if dtype in BLOCK_DTYPES:
-        return cols // BLOCK_SIZE * BLOCK_DTYPES[dtype]
-    raise ValueError(f"unknown dtype {dtype!r}")
-
-
 def page_id(owner: str, k: int) -> str:
     return f"{owner}#{k}"
 
@@ -105,31 +70,96 @@ def rope_freqs_present(model: dict) -> bool:
     return (None if scaling is None else scaling.get("type")) in STATIC_ROPE_SCALINGS
 
 
+# ---------------------------------------------------------------- tensor roles
+
+@dataclass(frozen=True)
+class Role:
+    """One tensor role (spec §2.2): where it sits in decode order, whether the model has it, and
+    the shape its dimensions imply. Adding a role is one row of ROLE_TABLE."""
+
+    name: str  # e.g. "attn_q.bias"; a layer tensor is named blk.L.<name>
+    place: str  # "before" the layers, "layer", or "after" them (decode order)
+    shape: Callable[[dict], list[int]]  # from the model's dimensions ([out, in] for matrices)
+    matrix: bool = True  # matrices may be cast or quantized; the rest are f32 and one page
+    present: Callable[[dict], bool] = lambda m: True  # whether a model with these flags has it
+    absent_because: str = "not part of this model"  # why a model lacks it (for messages)
+    dims: str = "hidden_size {hidden_size}"  # what its shape means, for messages
+    rope_rows: bool = False  # rows rotate by RoPE: permuted for the interleaved layout (§2.1)
+
+    @property
+    def per_layer(self) -> bool:
+        return self.place == "layer"
+
+
+def _att(flag: str) -> Callable[[dict], bool]:
+    return lambda m: m["attention"][flag]
+
+
+def _q_rows(m: dict) -> int:
+    return m["num_attention_heads"] * m["head_dim"]
+
+
+def _kv_rows(m: dict) -> int:
+    return m["num_kv_heads"] * m["head_dim"]
+
+
+_Q = "num_attention_heads {num_attention_heads} × head_dim {head_dim}"
+_KV = "num_key_value_heads {num_kv_heads} × head_dim {head_dim}"
+_NO_QKV_BIAS, _NO_QK_NORM = "no q/k/v bias", "no q/k norm"
+
+ROLE_TABLE: tuple[Role, ...] = (
+    Role("rope_freqs", "before", lambda m: [m["rope"]["rotary_dim"] // 2], matrix=False, present=rope_freqs_present),
+    Role("token_embd.weight", "before", lambda m: [m["vocab_size"], m["hidden_size"]],
+         dims="vocab_size {vocab_size} × hidden_size {hidden_size}"),
+    Role("output_norm.weight", "after", lambda m: [m["hidden_size"]], matrix=False),
+    Role("output.weight", "after", lambda m: [m["vocab_size"], m["hidden_size"]],
+         present=lambda m: not m["tie_word_embeddings"], dims="vocab_size {vocab_size} × hidden_size {hidden_size}"),
+    Role("attn_norm.weight", "layer", lambda m: [m["hidden_size"]], matrix=False),
+    Role("attn_q.weight", "layer", lambda m: [_q_rows(m), m["hidden_size"]], dims=_Q, rope_rows=True),
+    Role("attn_q.bias", "layer", lambda m: [_q_rows(m)], matrix=False, present=_att("qkv_bias"),
+         absent_because=_NO_QKV_BIAS, rope_rows=True),
+    Role("attn_k.weight", "layer", lambda m: [_kv_rows(m), m["hidden_size"]], dims=_KV, rope_rows=True),
+    Role("attn_k.bias", "layer", lambda m: [_kv_rows(m)], matrix=False, present=_att("qkv_bias"),
+         absent_because=_NO_QKV_BIAS, rope_rows=True),
+    Role("attn_v.weight", "layer", lambda m: [_kv_rows(m), m["hidden_size"]], dims=_KV),
+    Role("attn_v.bias", "layer", lambda m: [_kv_rows(m)], matrix=False, present=_att("qkv_bias"),
+         absent_because=_NO_QKV_BIAS),
+    Role("attn_q_norm.weight", "layer", lambda m: [m["head_dim"]], matrix=False, present=_att("qk_norm"),
+         absent_because=_NO_QK_NORM, dims="head_dim {head_dim}", rope_rows=True),
+    Role("attn_k_norm.weight", "layer", lambda m: [m["head_dim"]], matrix=False, present=_att("qk_norm"),
+         absent_because=_NO_QK_NORM, dims="head_dim {head_dim}", rope_rows=True),
+    Role("attn_output.weight", "layer", lambda m: [m["hidden_size"], _q_rows(m)],
+         dims="hidden_size {hidden_size} × (num_attention_heads {num_attention_heads} × head_dim {head_dim})"),
+    Role("attn_output.bias", "layer", lambda m: [m["hidden_size"]], matrix=False, present=_att("o_bias"),
+         absent_because="no output-projection bias"),
+    Role("ffn_norm.weight", "layer", lambda m: [m["hidden_size"]], matrix=False),
+    Role("ffn_gate.weight", "layer", lambda m: [m["intermediate_size"], m["hidden_size"]],
+         dims="intermediate_size {intermediate_size} × hidden_size {hidden_size}"),
+    Role("ffn_up.weight", "layer", lambda m: [m["intermediate_size"], m["hidden_size"]],
+         dims="intermediate_size {intermediate_size} × hidden_size {hidden_size}"),
+    Role("ffn_down.weight", "layer", lambda m: [m["hidden_size"], m["intermediate_size"]],
+         dims="hidden_size {hidden_size} × intermediate_size {intermediate_size}"),
+)
+ROLE: dict[str, Role] = {r.name: r for r in ROLE_TABLE}
+LAYER_ROLES = tuple(r.name for r in ROLE_TABLE if r.per_layer)
+GLOBAL_ROLES = tuple(r.name for r in ROLE_TABLE if not r.per_layer)
+ROLES = GLOBAL_ROLES + LAYER_ROLES
+# Roles that are matrices (the rest — norms, biases, rope_freqs — are 1-D and always f32).
+MATRIX_ROLES = tuple(r for r in ROLES if ROLE[r].matrix)
+
+
 def layer_roles(model: dict) -> list[str]:
     """The per-layer roles a model with these flags has, in decode order."""
-    att = model["attention"]
-    present = {
-        "attn_q.bias": att["qkv_bias"],
-        "attn_k.bias": att["qkv_bias"],
-        "attn_v.bias": att["qkv_bias"],
-        "attn_q_norm.weight": att["qk_norm"],
-        "attn_k_norm.weight": att["qk_norm"],
-        "attn_output.bias": att["o_bias"],
-    }
-    return [r for r in LAYER_ROLES if present.get(r, True)]
+    return [r.name for r in ROLE_TABLE if r.per_layer and r.present(model)]
 
 
 def tensor_names(model: dict) -> list[str]:
     """Every tensor name a model must have, in decode order (spec §2.2)."""
-    names = ["rope_freqs"] if rope_freqs_present(model) else []
-    names.append("token_embd.weight")
+    names = [r.name for r in ROLE_TABLE if r.place == "before" and r.present(model)]
     roles = layer_roles(model)
     for layer in range(model["num_layers"]):
         names += [f"blk.{layer}.{r}" for r in roles]
-    names.append("output_norm.weight")
-    if not model["tie_word_embeddings"]:
-        names.append("output.weight")
-    return names
+    return names + [r.name for r in ROLE_TABLE if r.place == "after" and r.present(model)]
 
 
 def split_name(name: str) -> tuple[str, int | None]:
@@ -142,28 +172,4 @@ def split_name(name: str) -> tuple[str, int | None]:
 
 def expected_shape(model: dict, role: str) -> list[int]:
     """The shape the model's dimensions imply for a role ([out, in] for matrices)."""
-    hidden, inter = model["hidden_size"], model["intermediate_size"]
-    q_rows = model["num_attention_heads"] * model["head_dim"]
-    kv_rows = model["num_kv_heads"] * model["head_dim"]
-    vocab = model["vocab_size"]
-    return {
-        "rope_freqs": [model["rope"]["rotary_dim"] // 2],
-        "token_embd.weight": [vocab, hidden],
-        "output_norm.weight": [hidden],
-        "output.weight": [vocab, hidden],
-        "attn_norm.weight": [hidden],
-        "attn_q.weight": [q_rows, hidden],
-        "attn_q.bias": [q_rows],
-        "attn_k.weight": [kv_rows, hidden],
-        "attn_k.bias": [kv_rows],
-        "attn_v.weight": [kv_rows, hidden],
-        "attn_v.bias": [kv_rows],
-        "attn_q_norm.weight": [model["head_dim"]],
-        "attn_k_norm.weight": [model["head_dim"]],
-        "attn_output.weight": [hidden, q_rows],
-        "attn_output.bias": [hidden],
-        "ffn_norm.weight": [hidden],
-        "ffn_gate.weight": [inter, hidden],
-        "ffn_up.weight": [inter, hidden],
-        "ffn_down.weight": [hidden, inter],
-    }[role]
+    return ROLE[role].shape(model)

@@ -1,0 +1,179 @@
+"""`batch`: the command and its two views (a live table on a terminal, plain lines otherwise)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Group
+from rich.live import Live
+from rich.markup import escape
+from rich.table import Table
+from rich.text import Text
+
+from thinconv.cli.app import app, err, human, out, reported
+from thinconv.errors import JobsFileError, UsageError
+
+
+class PlainBatchLog:
+    """One line per batch event on stdout (when it is not a terminal: logs, CI, schedulers)."""
+
+    def __enter__(self) -> "PlainBatchLog":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def line(self, text: str) -> None:
+        out.print(text)
+        sys.stdout.flush()
+
+    def message(self, text: str) -> None:
+        self.line(text)
+
+    def job_started(self, job, reason: str) -> None:
+        self.line(f"job {job.index} start: {job.source} → {job.out} ({reason})")
+
+    def job_progress(self, job, phase: str, done: int, total: int) -> None:
+        pass
+
+    def job_finished(self, job, result) -> None:
+        self.line(batch_result_line(result))
+
+
+def batch_result_line(r) -> str:
+    if r.status == "failed":
+        return f"job {r.job} FAILED: {r.error}"
+    what = "done" if r.status == "done" else "skipped (up to date)"
+    return (f"job {r.job} {what}: {r.out} {human(r.bytes_out or 0)} in {r.seconds:.1f} s, archive hash "
+            f"{(r.archive_hash or '')[:16]}…" + "".join(f"\n  warning: {w}" for w in r.warnings))
+
+
+class LiveBatchView(PlainBatchLog):
+    """A rich live table on a terminal: one row per running job (phase, bytes, bytes/s), overall
+    progress and failures so far; finished jobs scroll above it as lines."""
+
+    def __init__(self, total: int) -> None:
+        self.clock = time.monotonic
+        self.total, self.t0 = total, self.clock()
+        self.running: dict[int, dict] = {}
+        self.finished = {"done": 0, "skipped": 0, "failed": 0}
+        self.live = Live(console=out, refresh_per_second=4, get_renderable=self.render, transient=True)
+
+    def __enter__(self) -> "LiveBatchView":
+        self.live.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.live.__exit__(*exc)
+
+    def line(self, text: str) -> None:
+        self.live.console.print(text)
+
+    def job_started(self, job, reason: str) -> None:
+        self.running[job.index] = {"job": job, "phase": "starting", "done": 0, "total": 0, "before": 0,
+                                   "t0": self.clock()}
+
+    def job_progress(self, job, phase: str, done: int, total: int) -> None:
+        row = self.running.get(job.index)
+        if row is None:
+            return
+        if phase != row["phase"]:
+            row["before"] += row["done"]
+        row.update(phase=phase, done=done, total=total)
+
+    def job_finished(self, job, result) -> None:
+        self.running.pop(job.index, None)
+        self.finished[result.status] += 1
+        style = {"done": "green", "skipped": "cyan", "failed": "bold red"}[result.status]
+        self.live.console.print(f"[{style}]{escape(batch_result_line(result))}[/]", markup=True)
+
+    def render(self):
+        table = Table(title_justify="left", expand=False)
+        for col in ("job", "source", "out", "phase", "progress", "speed"):
+            table.add_column(col, justify="right" if col in ("job", "progress", "speed") else "left")
+        now = self.clock()
+        for index, row in sorted(self.running.items()):
+            job = row["job"]
+            rate = (row["before"] + row["done"]) / max(now - row["t0"], 1e-3)
+            pct = f"{100 * row['done'] / row['total']:.0f} %" if row["total"] else ""
+            table.add_row(str(index), job.source, job.out.name, row["phase"],
+                          f"{human(row['done'])} / {human(row['total'])} {pct}", f"{human(int(rate))}/s")
+        f = self.finished
+        n = sum(f.values())
+        footer = Text(f"{n}/{self.total} finished: {f['done']} done, {f['skipped']} skipped, {f['failed']} failed; "
+                      f"{len(self.running)} running; {now - self.t0:.0f} s",
+                      style="bold red" if f["failed"] else "")
+        return Group(table, footer) if self.running else footer
+
+
+@app.command("batch")
+def batch_cmd(jobs_file: Path = typer.Argument(..., help="Jobs file, TOML or JSON Lines (schema: "
+                                               "docs/batch.md)."),
+              workers: Optional[int] = typer.Option(None, "--workers", help="Parallel conversions (default: what "
+                                                    "fits the cores and memory)."),
+              shard: Optional[str] = typer.Option(None, "--shard", help="I/N: run only shard I of N (0 ≤ I < N); "
+                                                  "auto: from $SLURM_ARRAY_TASK_ID or $JOB_COMPLETION_INDEX."),
+              report: Optional[Path] = typer.Option(None, "--report", help="Write a JSON Lines report: one line "
+                                                    "per finished job."),
+              dry_run: bool = typer.Option(False, "--dry-run", help="List what would run and what would be "
+                                           "skipped; write nothing."),
+              retry_failed: bool = typer.Option(False, "--retry-failed", help="Run only the jobs the previous "
+                                                "--report FILE lists as failed."),
+              recipes: list[Path] = typer.Option([], "--recipes", help="Extra recipe folder (repeatable).")) -> None:
+    """Run many conversions from a jobs file: parallel, resumable (done jobs are skipped), shardable
+    across a cluster. Exit 0 all succeeded, 1 some failed, 2 bad jobs file, 130/143 stopped by
+    SIGINT/SIGTERM."""
+    from thinconv.batch import (failed_outs, load_jobs, parse_shard, plan_batch, read_report, run_batch,
+                                shard_jobs, stop_on_signals)
+    from thinconv.recipe import load_registry
+
+    with reported():
+        registry = load_registry(recipes)
+        try:
+            jobs = load_jobs(jobs_file, registry=registry)
+        except JobsFileError as e:
+            for problem in e.problems:
+                err.print(f"[bold red]error:[/] {escape(problem)}", markup=True)
+            err.print(f"{jobs_file}: {len(e.problems)} problem{'s' * (len(e.problems) > 1)}; nothing was run")
+            raise typer.Exit(2)
+        if workers is not None and workers < 1:
+            raise UsageError(f"--workers {workers}: expected ≥ 1")
+        if retry_failed and report is None:
+            raise UsageError("--retry-failed needs --report FILE (the previous run's report, rewritten by this run)")
+        selected = jobs
+        if shard is not None:
+            index, count = parse_shard(shard)
+            selected = shard_jobs(jobs, index, count)
+            out.print(f"shard {index}/{count}: {len(selected)} of {len(jobs)} jobs")
+        keep_lines = None
+        if retry_failed:
+            previous = read_report(report)
+            failed = failed_outs(previous)
+            selected = [j for j in selected if str(j.out) in failed]
+            rerun = {str(j.out) for j in selected}
+            keep_lines = [rec for rec in previous if rec["out"] not in rerun]
+            out.print(f"--retry-failed: {len(selected)} failed job{'s' * (len(selected) != 1)} to retry")
+        if dry_run:
+            plans = plan_batch(selected, observer=PlainBatchLog())
+            for p in plans:
+                out.print(f"job {p.job.index} {p.action}: {p.job.source} → {p.job.out} ({p.reason})")
+            counts = {a: sum(p.action == a for p in plans) for a in ("run", "skip", "fail")}
+            out.print(f"dry run: {counts['run']} to run, {counts['skip']} to skip, {counts['fail']} failing; "
+                      f"nothing was written")
+            return
+        view = LiveBatchView(len(selected)) if out.is_terminal else PlainBatchLog()
+        with stop_on_signals() as stop, view:
+            summary = run_batch(selected, workers=workers, report=report, keep_lines=keep_lines,
+                                recipe_dirs=recipes, observer=view, stop=stop)
+    line = (f"batch: {len(selected)} job{'s' * (len(selected) != 1)}: {summary.count('done')} done, "
+            f"{summary.count('skipped')} skipped, {summary.count('failed')} failed in {summary.seconds:.1f} s")
+    if summary.interrupted:
+        err.print(f"{line}; stopped by a signal, {summary.not_started} not started (no partial archive is left; "
+                  f"rerun to finish)")
+        raise typer.Exit(stop.exit_code)
+    out.print(line)
+    raise typer.Exit(1 if summary.count("failed") else 0)

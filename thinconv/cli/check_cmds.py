@@ -1,0 +1,115 @@
+"""`check` and `run`: the reference decoder on an archive (library imports are lazy: start-up time)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from thinconv.cli.app import app, err, out, print_json, reported
+from thinconv.errors import UsageError
+
+
+@app.command()
+def check(archive: Path = typer.Argument(..., help="A .thin archive."),
+          against: Optional[str] = typer.Option(None, "--against", help="Source checkpoint (folder or hub id) to "
+                                                "compare with under transformers; default: the archive's probe."),
+          prompt: Optional[str] = typer.Option(None, "--prompt", help="Text, tokenized with the embedded tokenizer."),
+          tokens: Optional[str] = typer.Option(None, "--tokens", help="Comma-separated token ids."),
+          steps: Optional[int] = typer.Option(None, "--steps", help="Positions to compare (default: longer than "
+                                              "any sliding window)."),
+          revision: Optional[str] = typer.Option(None, "--revision", help="Hub revision of --against."),
+          strict: bool = typer.Option(False, "--strict", help="Also hold q4 archives to a KL bound."),
+          as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
+    """Prove the archive computes what the source computes: per-position logit differences,
+    top-1 agreement and KL, judged against bounds for the archive's dtype class."""
+    from thinconv.check import archive_tokenizer, parse_tokens, run_check
+    from thinconv.probe import default_tokens
+    from thinconv.format.reader import open_archive
+
+    with reported(), open_archive(archive) as a:
+        if prompt is not None and tokens is not None:
+            raise UsageError("give --prompt or --tokens, not both")
+        if steps is not None and steps < 1:
+            raise UsageError(f"--steps {steps}: expected ≥ 1")
+        if tokens is not None:
+            ids = parse_tokens(tokens, a.model["vocab_size"])
+        elif prompt is not None:
+            ids = archive_tokenizer(a).encode(prompt).ids
+        elif against is None and a.manifest["validation"].get("probe"):
+            ids = a.manifest["validation"]["probe"]["tokens"]
+        else:
+            ids = default_tokens(a.model, steps)
+        if steps is not None:
+            ids = ids[:steps]
+        if against is not None:
+            from thinconv.checkpoint.source import open_checkpoint
+
+            with open_checkpoint(against, revision=revision, token=os.environ.get("HF_TOKEN")) as ckpt:
+                result = run_check(a, ids, ckpt, strict_q4=strict)
+        else:
+            result = run_check(a, ids, None, strict_q4=strict)
+    if as_json:
+        print_json(result.to_json())
+        raise typer.Exit(0 if result.ok else 1)
+    how = " (computed layer by layer: the model exceeds the decode memory budget)" if result.engine == "prefill" else ""
+    table = Table(title=f"{archive}: {result.dtype_class} archive vs {result.reference}{how}",
+                  title_justify="left")
+    for col in ("pos", "max |Δlogit|", "rel", "top-1", "KL"):
+        table.add_column(col, justify="right")
+    for p in result.positions:
+        table.add_row(str(p.position), f"{p.max_abs:.3g}", f"{p.max_rel:.3g}", "✓" if p.top1_match else "✗",
+                      f"{p.kl:.3g}")
+    out.print(table)
+    s = result.summary()
+    out.print(f"overall: max |Δlogit| {s['max_abs_diff']:.3g} (rel {s['max_rel_diff']:.3g}), top-1 "
+              f"{100 * s['top1_agreement']:.1f} %, mean KL {s['mean_kl']:.3g}, max KL {s['max_kl']:.3g}")
+    if not result.thresholds:
+        out.print(f"{result.dtype_class}: reported only (use --strict to apply a bound)")
+    elif result.ok:
+        out.print(f"[bold green]PASS[/] within the {result.dtype_class} bounds "
+                  f"({', '.join(f'{k} {v:g}' for k, v in result.thresholds.items())})", markup=True)
+    else:
+        for f in result.failures:
+            err.print(f"[bold red]FAIL[/] {escape(f)}", markup=True)
+    raise typer.Exit(0 if result.ok else 1)
+
+
+@app.command()
+def run(archive: Path = typer.Argument(..., help="A .thin archive."),
+        prompt: str = typer.Option(..., "--prompt", help="Text to continue."),
+        max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="Tokens to generate at most.")) -> None:
+    """Greedy generation with the reference decoder and the embedded tokenizer (the archive alone)."""
+    from thinconv.check import ArchiveProvider, archive_tokenizer
+    from thinconv.decoder import Decoder
+    from thinconv.format.reader import open_archive
+
+    with reported(), open_archive(archive) as a:
+        tok = archive_tokenizer(a)
+        ids = tok.encode(prompt).ids
+        if not ids:
+            raise UsageError("--prompt encodes to no tokens")
+        decoder = Decoder(ArchiveProvider(a))
+        sys.stdout.write(prompt)
+        sys.stdout.flush()
+        # Decode prompt + new tokens together (a tokenizer may attach a space or half a
+        # character to a token's neighbour) and print only what follows the prompt's text;
+        # a trailing U+FFFD is a character still being completed by the next token.
+        shown = len(tok.decode(ids, skip_special_tokens=True))
+        seq = list(ids)
+        text = ""
+        for t in decoder.generate(ids, max_new_tokens):
+            seq.append(t)
+            text = tok.decode(seq, skip_special_tokens=True)
+            if text.endswith("\ufffd"):
+                continue
+            sys.stdout.write(text[shown:])
+            sys.stdout.flush()
+            shown = len(text)
+        sys.stdout.write(text[shown:])
+        sys.stdout.write("\n")

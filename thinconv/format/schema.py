@@ -1,0 +1,131 @@
+"""The manifest's `model` section (spec §2.1 and the vocabulary addendum): every key, its type,
+its allowed values and its default, in one table.
+
+The validator (`manifest.py`) walks this table; `modelmeta` writes through `canonical_model`,
+which drops optional keys at their defaults (addendum §1: a writer omits defaults, a validator
+rejects them); the reference decoder reads through `value`, which supplies them; FORMAT.md lists
+the same keys (a test checks it). Adding a key is one row here plus the code that computes it.
+
+Keys that thin-v0.md itself defines are REQUIRED: archives have always written them, so they
+stay explicit even where the addendum gives them a default (`norm.type`, `mlp.type`, …).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+class _Required:
+    def __repr__(self) -> str:
+        return "REQUIRED"
+
+
+REQUIRED: Any = _Required()
+
+
+@dataclass(frozen=True)
+class Key:
+    """One `model` key. `path` is relative to `model` ("attention.sliding_window")."""
+
+    path: str
+    type: str  # str | int | number | bool | object | layers | token | tokens | scaling
+    default: Any = REQUIRED  # REQUIRED, or the value an absent key means (omitted when equal)
+    choices: tuple = ()  # allowed strings (str), or entry values (layers)
+    minimum: int | None = None  # int: smallest allowed value
+    positive: bool = False  # number: > 0
+    nullable: bool = False  # null is a value (distinct from absent)
+    doc: str = ""
+
+    @property
+    def parent(self) -> str:
+        return self.path.rpartition(".")[0]
+
+    @property
+    def name(self) -> str:
+        return self.path.rpartition(".")[2]
+
+    @property
+    def optional(self) -> bool:
+        return self.default is not REQUIRED
+
+
+_DIMS = ("hidden_size", "intermediate_size", "num_layers", "num_attention_heads", "num_kv_heads", "head_dim",
+         "vocab_size", "max_position_embeddings")
+
+MODEL_KEYS: tuple[Key, ...] = (
+    Key("architecture", "str", doc="recipe family: llama, mistral, qwen2, qwen3, …"),
+    Key("source_architecture", "str", doc="the Hugging Face class, e.g. LlamaForCausalLM"),
+    *(Key(k, "int", minimum=1, doc="as in the source config") for k in _DIMS),
+    Key("tie_word_embeddings", "bool", doc="true: no output.weight; the head is token_embd.weight"),
+    Key("norm", "object"),
+    Key("norm.type", "str", choices=("rmsnorm",), doc="y = x · rsqrt(mean(x²) + eps) · w"),
+    Key("norm.eps", "number", positive=True),
+    Key("mlp", "object"),
+    Key("mlp.type", "str", choices=("gated",), doc="down(act(gate(x)) · up(x))"),
+    Key("mlp.activation", "str", choices=("silu",)),
+    Key("attention", "object"),
+    Key("attention.qkv_bias", "bool", doc="attn_q/k/v.bias exist"),
+    Key("attention.o_bias", "bool", doc="attn_output.bias exists"),
+    Key("attention.qk_norm", "bool", doc="attn_q_norm / attn_k_norm exist (RMSNorm per head, before RoPE)"),
+    Key("attention.sliding_window", "int", minimum=1, nullable=True, doc="window of 'sliding' layers"),
+    Key("attention.layer_types", "layers", choices=("full", "sliding"), doc="one per layer"),
+    Key("attention.scale", "number", positive=True, doc="scores = (q · k) × scale"),
+    Key("rope", "object"),
+    Key("rope.theta", "number", positive=True),
+    Key("rope.rotary_dim", "int", minimum=2, doc="even, ≤ head_dim"),
+    Key("rope.layout", "str", choices=("half", "interleaved")),
+    Key("rope.scaling", "scaling", doc="null, or the source's parameters with the kind in `type`"),
+    Key("rope.attention_factor", "number", positive=True, doc="multiplies cos and sin"),
+    Key("special_tokens", "object"),
+    Key("special_tokens.bos", "token", nullable=True),
+    Key("special_tokens.eos", "tokens"),
+    Key("special_tokens.pad", "token", nullable=True),
+)
+BY_PATH: dict[str, Key] = {k.path: k for k in MODEL_KEYS}
+
+
+def children(parent: str) -> tuple[Key, ...]:
+    """The keys directly inside object `parent` ("" for the `model` object itself), in table order."""
+    return tuple(k for k in MODEL_KEYS if k.parent == parent)
+
+
+def value(model: dict, path: str) -> Any:
+    """model[a][b]… for "a.b…", the key's default where the model omits it (KeyError for a
+    missing required key)."""
+    node: Any = model
+    for i, part in enumerate(path.split(".")):
+        if not isinstance(node, dict) or part not in node:
+            key = BY_PATH[".".join(path.split(".")[: i + 1])]
+            if not key.optional:
+                raise KeyError(f"model.{path}")
+            return BY_PATH[path].default  # the key, or an optional object around it, is absent
+        node = node[part]
+    return node
+
+
+def is_default(key: Key, v: Any) -> bool:
+    """Whether `v` is the key's default (so a writer omits it and a validator rejects it)."""
+    if not key.optional:
+        return False
+    d = key.default
+    if isinstance(d, bool) or isinstance(v, bool) or d is None or v is None:
+        return type(v) is type(d) and v == d
+    return v == d
+
+
+def canonical_model(model: dict, parent: str = "") -> dict:
+    """`model` as a writer stores it: optional keys at their defaults, and optional objects left
+    empty, are omitted (one model has one manifest)."""
+    out = {}
+    for k, v in model.items():
+        path = f"{parent}.{k}" if parent else k
+        key = BY_PATH.get(path)
+        if key is not None and key.type == "object" and isinstance(v, dict):
+            v = canonical_model(v, path)
+            if key.optional and not v:
+                continue
+        if key is not None and is_default(key, v):
+            continue
+        out[k] = v
+    return out
