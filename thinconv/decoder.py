@@ -1,12 +1,17 @@
 """Numpy reference decoder for THIN v0 models (spec §2): slow, plain, and exact.
 
-It is driven only by the manifest ``model`` object and the canonical tensors, so it checks an
-archive (or a converter's tensor mapping) against the spec rather than against any one HF class.
-All arithmetic is float32 except the softmax (float64); weights are upcast to f32 once.
+It is driven only by the manifest `model` object (read through `format.schema`, so absent optional
+keys mean their defaults) and the canonical tensors, so it checks an archive — or a converter's
+tensor mapping — against the spec rather than against any one HF class.
+
+One forward pass serves both ways of running it: `Decoder` keeps the weights resident in float32
+and decodes token by token with a KV cache; `prefill_logits` streams every weight once, in row
+chunks, over a whole short sequence (bounded memory; float64 for the probe). Both run `forward`.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -14,7 +19,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from thinconv.errors import ConversionError, UsageError
-from thinconv.format import spec
+from thinconv.format import schema, spec
 
 _INITIAL_CAPACITY = 16
 
@@ -63,35 +68,110 @@ class DictProvider:
         return list(np.shape(self._tensors[name]))
 
 
-@dataclass
-class _Layer:
-    attn_norm: np.ndarray
-    wq: np.ndarray
-    wk: np.ndarray
-    wv: np.ndarray
-    wo: np.ndarray
-    bq: np.ndarray | None
-    bk: np.ndarray | None
-    bv: np.ndarray | None
-    bo: np.ndarray | None
-    q_norm: np.ndarray | None
-    k_norm: np.ndarray | None
-    ffn_norm: np.ndarray
-    w_gate: np.ndarray
-    w_up: np.ndarray
-    w_down: np.ndarray
-    window: int | None  # sliding window size, or None on a "full" layer
-
+# ---------------------------------------------------------------- what the manifest says
 
 def _field(model: dict, path: str) -> Any:
-    """model[a][b]… for path "a.b…", or a ConversionError naming the missing key."""
-    node: Any = model
-    for part in path.split("."):
-        if not isinstance(node, dict) or part not in node:
-            raise ConversionError(f"manifest model.{path}: missing")
-        node = node[part]
-    return node
+    """The value of `model.<path>` (its default when an optional key is absent), or a
+    ConversionError naming the missing key."""
+    try:
+        return schema.value(model, path)
+    except (KeyError, TypeError):
+        raise ConversionError(f"manifest model.{path}: missing") from None
 
+
+@dataclass(frozen=True)
+class Arch:
+    """What the decoder computes, from the manifest `model` object, checked once."""
+
+    hidden: int
+    n_layers: int
+    n_heads: int
+    n_kv: int
+    head_dim: int
+    vocab: int
+    eps: float
+    scale: float
+    layout: str
+    attention_factor: float
+    windows: tuple[int | None, ...]  # per layer: the sliding window, or None on a "full" layer
+    tied: bool
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: bool
+
+    @classmethod
+    def from_model(cls, m: dict) -> "Arch":
+        dims = {k: int(_field(m, k)) for k in ("hidden_size", "num_layers", "num_attention_heads", "num_kv_heads",
+                                                "head_dim", "vocab_size", "intermediate_size")}
+        if _field(m, "norm.type") != "rmsnorm":
+            raise ConversionError(f"manifest model.norm.type={m['norm']['type']!r}: expected 'rmsnorm'")
+        if (_field(m, "mlp.type"), _field(m, "mlp.activation")) != ("gated", "silu"):
+            raise ConversionError(f"manifest model.mlp={m['mlp']!r}: expected gated silu")
+        if dims["num_attention_heads"] % dims["num_kv_heads"]:
+            raise ConversionError(f"manifest model.num_attention_heads={dims['num_attention_heads']} is not a "
+                                  f"multiple of num_kv_heads={dims['num_kv_heads']}")
+        layout = _field(m, "rope.layout")
+        if layout not in schema.BY_PATH["rope.layout"].choices:
+            raise ConversionError(f"manifest model.rope.layout={layout!r}: expected 'half' or 'interleaved'")
+        rotary_dim = int(_field(m, "rope.rotary_dim"))
+        if rotary_dim % 2 or not 0 < rotary_dim <= dims["head_dim"]:
+            raise ConversionError(f"manifest model.rope.rotary_dim={rotary_dim}: expected even and ≤ "
+                                  f"head_dim={dims['head_dim']}")
+        scaling = _field(m, "rope.scaling")
+        kind = None if scaling is None else scaling.get("type")
+        if kind not in spec.STATIC_ROPE_SCALINGS:
+            raise ConversionError(f"manifest model.rope.scaling.type={kind!r}: not supported by the reference decoder "
+                                  "(it needs the rope_freqs tensor)")
+        return cls(hidden=dims["hidden_size"], n_layers=dims["num_layers"], n_heads=dims["num_attention_heads"],
+                   n_kv=dims["num_kv_heads"], head_dim=dims["head_dim"], vocab=dims["vocab_size"],
+                   eps=float(_field(m, "norm.eps")), scale=float(_field(m, "attention.scale")), layout=layout,
+                   attention_factor=float(_field(m, "rope.attention_factor")),
+                   windows=_windows(m, dims["num_layers"]), tied=bool(_field(m, "tie_word_embeddings")),
+                   qkv_bias=bool(_field(m, "attention.qkv_bias")), o_bias=bool(_field(m, "attention.o_bias")),
+                   qk_norm=bool(_field(m, "attention.qk_norm")))
+
+
+def _windows(m: dict, n_layers: int) -> tuple[int | None, ...]:
+    types = _field(m, "attention.layer_types")
+    window = _field(m, "attention.sliding_window")
+    if not isinstance(types, list) or len(types) != n_layers:
+        raise ConversionError(f"manifest model.attention.layer_types: expected {n_layers} entries")
+    out: list[int | None] = []
+    for i, kind in enumerate(types):
+        if kind == "full":
+            out.append(None)
+        elif kind != "sliding":
+            raise ConversionError(f"manifest model.attention.layer_types[{i}]={kind!r}: expected 'full' or 'sliding'")
+        elif not isinstance(window, int) or isinstance(window, bool) or window < 1:
+            raise ConversionError(f"manifest model.attention.sliding_window={window!r}: layer {i} is 'sliding', "
+                                  "expected a positive int")
+        else:
+            out.append(window)
+    return tuple(out)
+
+
+def check_tensors(provider: WeightProvider) -> None:
+    """Every tensor the model's flags imply exists with the shape its dimensions imply; none that
+    the flags rule out is present."""
+    m = provider.model
+    want = spec.tensor_names(m)
+    for name in want:
+        role, _ = spec.split_name(name)
+        if not provider.has(name):
+            raise ConversionError(f"tensor {name}: missing")
+        shape, expected = list(provider.shape(name)), spec.expected_shape(m, role)
+        if shape != expected:
+            raise ConversionError(f"tensor {name}: shape {shape}, expected {expected}")
+    wanted = set(want)
+    for r in spec.ROLE_TABLE:
+        names = [f"blk.{i}.{r.name}" for i in range(int(m["num_layers"]))] if r.per_layer else [r.name]
+        for name in names:
+            if name not in wanted and provider.has(name):
+                value = json.dumps(schema.value(m, r.flag)) if r.flag else "what the flags say"
+                raise ConversionError(f"tensor {name}: present but manifest model.{r.flag} is {value}")
+
+
+# ---------------------------------------------------------------- the arithmetic
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     """y = x · rsqrt(mean(x²) + eps) · w over the last axis, in x's precision (f32 for decode)."""
@@ -100,7 +180,7 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
 
 
 def silu(x: np.ndarray) -> np.ndarray:
-    return x / (np.float32(1.0) + np.exp(-x))
+    return x / (x.dtype.type(1.0) + np.exp(-x))
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, layout: str) -> np.ndarray:
@@ -138,190 +218,156 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndar
     return np.einsum("gqn,gnd->gqd", p.astype(v.dtype), v).reshape(-1)
 
 
+# ---------------------------------------------------------------- weights, two ways
+
+class _Weights:
+    """The decoder's view of the tensors: vectors, matrix products and embedding rows."""
+
+    def __init__(self, provider: WeightProvider, dtype: type):
+        self.p, self.dtype = provider, dtype
+
+    def has(self, name: str) -> bool:
+        return self.p.has(name)
+
+    def vec(self, name: str) -> np.ndarray:
+        return np.asarray(self.p.get(name), self.dtype)
+
+    def embed(self, tokens: list[int]) -> np.ndarray:
+        return np.concatenate([np.asarray(self.p.rows("token_embd.weight", t, t + 1), self.dtype) for t in tokens])
+
+    def linear(self, name: str, x: np.ndarray, bias: str | None = None) -> np.ndarray:
+        raise NotImplementedError
+
+
+class _Resident(_Weights):
+    """Every tensor loaded once as float32: token-by-token decoding."""
+
+    def __init__(self, provider: WeightProvider):
+        super().__init__(provider, np.float32)
+        self._cache: dict[str, np.ndarray] = {}
+
+    def vec(self, name: str) -> np.ndarray:
+        if name not in self._cache:
+            self._cache[name] = np.ascontiguousarray(self.p.get(name), dtype=np.float32)
+        return self._cache[name]
+
+    def embed(self, tokens: list[int]) -> np.ndarray:
+        return self.vec("token_embd.weight")[tokens]
+
+    def linear(self, name: str, x: np.ndarray, bias: str | None = None) -> np.ndarray:
+        y = x @ self.vec(name).T
+        return y + self.vec(bias) if bias else y
+
+
+class _Streamed(_Weights):
+    """Every matrix read once, in row chunks of ~chunk_values values, then dropped: bounded memory."""
+
+    def __init__(self, provider: WeightProvider, dtype: type, chunk_values: int):
+        super().__init__(provider, dtype)
+        self.chunk_values = chunk_values
+
+    def linear(self, name: str, x: np.ndarray, bias: str | None = None) -> np.ndarray:
+        """x @ W.T for W [out, in], W streamed in row chunks."""
+        out_rows = self.p.shape(name)[0]
+        step = max(1, self.chunk_values // x.shape[1])
+        y = np.empty((x.shape[0], out_rows), self.dtype)
+        for a in range(0, out_rows, step):
+            b = min(a + step, out_rows)
+            y[:, a:b] = x @ np.asarray(self.p.rows(name, a, b), self.dtype).T
+        return y + self.vec(bias) if bias else y
+
+
+# ---------------------------------------------------------------- one forward pass
+
+class KVCache:
+    """Per layer, the keys and values of every position so far ([kv_heads, capacity, head_dim])."""
+
+    def __init__(self, arch: Arch, dtype: type):
+        self.arch, self.dtype, self.length = arch, dtype, 0
+        shape = (arch.n_kv, _INITIAL_CAPACITY, arch.head_dim)
+        self.k = [np.zeros(shape, dtype) for _ in range(arch.n_layers)]
+        self.v = [np.zeros(shape, dtype) for _ in range(arch.n_layers)]
+
+    def append(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Store [n, kv_heads, head_dim] new keys and values at positions length … length + n − 1."""
+        end = self.length + k.shape[0]
+        while end > self.k[layer].shape[1]:  # double the capacity: amortised O(1) appends
+            for cache in (self.k, self.v):
+                old = cache[layer]
+                cache[layer] = np.zeros((old.shape[0], 2 * old.shape[1], old.shape[2]), self.dtype)
+                cache[layer][:, : old.shape[1]] = old
+        self.k[layer][:, self.length:end] = k.transpose(1, 0, 2)
+        self.v[layer][:, self.length:end] = v.transpose(1, 0, 2)
+
+
+def forward(arch: Arch, w: _Weights, tokens: list[int], cache: KVCache) -> np.ndarray:
+    """Logits [len(tokens), vocab] for `tokens` at positions cache.length …; the cache grows by them."""
+    start, n = cache.length, len(tokens)
+    positions = range(start, start + n)
+    inv_freq = w.vec("rope_freqs")
+    tables = [rope_tables(inv_freq, pos, arch.attention_factor) for pos in positions]
+    x = w.embed(tokens)
+    for li in range(arch.n_layers):
+        b = f"blk.{li}."
+        h = rms_norm(x, w.vec(b + "attn_norm.weight"), arch.eps)
+        x = x + _attention(arch, w, li, h, tables, cache)
+        h = rms_norm(x, w.vec(b + "ffn_norm.weight"), arch.eps)
+        x = x + w.linear(b + "ffn_down.weight", silu(w.linear(b + "ffn_gate.weight", h)) * w.linear(b + "ffn_up.weight", h))
+    cache.length += n
+    head = "token_embd.weight" if arch.tied else "output.weight"
+    return w.linear(head, rms_norm(x, w.vec("output_norm.weight"), arch.eps))
+
+
+def _attention(arch: Arch, w: _Weights, li: int, h: np.ndarray, tables: list, cache: KVCache) -> np.ndarray:
+    """Self-attention of positions cache.length … over the cache and themselves; appends their k, v."""
+    b, n, hd = f"blk.{li}.", h.shape[0], arch.head_dim
+    bias = arch.qkv_bias
+    q = w.linear(b + "attn_q.weight", h, b + "attn_q.bias" if bias else None).reshape(n, arch.n_heads, hd)
+    k = w.linear(b + "attn_k.weight", h, b + "attn_k.bias" if bias else None).reshape(n, arch.n_kv, hd)
+    v = w.linear(b + "attn_v.weight", h, b + "attn_v.bias" if bias else None).reshape(n, arch.n_kv, hd)
+    if arch.qk_norm:
+        q = rms_norm(q, w.vec(b + "attn_q_norm.weight"), arch.eps)
+        k = rms_norm(k, w.vec(b + "attn_k_norm.weight"), arch.eps)
+    q = np.stack([apply_rope(q[i], *tables[i], arch.layout) for i in range(n)])
+    k = np.stack([apply_rope(k[i], *tables[i], arch.layout) for i in range(n)])
+    cache.append(li, k, v)
+    window = arch.windows[li]
+    mixed = np.empty((n, arch.n_heads * hd), q.dtype)
+    for i in range(n):
+        end = cache.length + i + 1
+        first = 0 if window is None else max(0, end - window)  # i − w < j ≤ i
+        mixed[i] = attend(q[i], cache.k[li][:, first:end], cache.v[li][:, first:end], arch.scale)
+    return w.linear(b + "attn_output.weight", mixed, b + "attn_output.bias" if arch.o_bias else None)
+
+
+# ---------------------------------------------------------------- the two entry points
+
 class Decoder:
     """Greedy single-sequence decoder over a WeightProvider, with a growing KV cache."""
 
     def __init__(self, provider: WeightProvider) -> None:
-        self._p = provider
-        m = provider.model
-        self.model = m
-        self.hidden = int(_field(m, "hidden_size"))
-        self.n_layers = int(_field(m, "num_layers"))
-        self.n_heads = int(_field(m, "num_attention_heads"))
-        self.n_kv = int(_field(m, "num_kv_heads"))
-        self.head_dim = int(_field(m, "head_dim"))
-        self.vocab = int(_field(m, "vocab_size"))
-        self.inter = int(_field(m, "intermediate_size"))
-        self.eps = float(_field(m, "norm.eps"))
-        self.scale = float(_field(m, "attention.scale"))
-        self._check_supported(m)
-        if self.n_heads % self.n_kv:
-            raise ConversionError(
-                f"manifest model.num_attention_heads={self.n_heads} is not a multiple of "
-                f"num_kv_heads={self.n_kv}"
-            )
-        self.inv_freq, self.attention_factor, self.layout = self._load_rope(m)
-        self.embd = self._tensor("token_embd.weight", [self.vocab, self.hidden])
-        self.layers = [self._load_layer(m, i) for i in range(self.n_layers)]
-        self.out_norm = self._tensor("output_norm.weight", [self.hidden])
-        self.head = self._load_head(m)
+        self.model = provider.model
+        self.arch = Arch.from_model(provider.model)
+        check_tensors(provider)
+        self._w = _Resident(provider)
+        for name in spec.tensor_names(provider.model):  # load (and upcast) everything once, up front
+            self._w.vec(name)
+        self.vocab = self.arch.vocab
         self.reset()
-
-    # ---- loading -------------------------------------------------------------------------
-
-    @staticmethod
-    def _check_supported(m: dict) -> None:
-        if _field(m, "norm.type") != "rmsnorm":
-            raise ConversionError(f"manifest model.norm.type={m['norm']['type']!r}: expected 'rmsnorm'")
-        mlp = (_field(m, "mlp.type"), _field(m, "mlp.activation"))
-        if mlp != ("gated", "silu"):
-            raise ConversionError(f"manifest model.mlp={m['mlp']!r}: expected gated silu")
-
-    def _tensor(self, name: str, shape: list[int]) -> np.ndarray:
-        if not self._p.has(name):
-            raise ConversionError(f"tensor {name}: missing")
-        arr = np.ascontiguousarray(self._p.get(name), dtype=np.float32)
-        if list(arr.shape) != shape:
-            raise ConversionError(f"tensor {name}: shape {list(arr.shape)}, expected {shape}")
-        return arr
-
-    def _optional(self, name: str, shape: list[int], present: bool, flag: str) -> np.ndarray | None:
-        """Load `name` when the manifest flag says it exists; reject it when the flag says not."""
-        if present:
-            return self._tensor(name, shape)
-        if self._p.has(name):
-            raise ConversionError(f"tensor {name}: present but manifest model.{flag} is false")
-        return None
-
-    def _load_rope(self, m: dict) -> tuple[np.ndarray, float, str]:
-        rotary_dim = int(_field(m, "rope.rotary_dim"))
-        layout = _field(m, "rope.layout")
-        scaling = _field(m, "rope.scaling")
-        kind = None if scaling is None else scaling.get("type")
-        if layout not in ("half", "interleaved"):
-            raise ConversionError(f"manifest model.rope.layout={layout!r}: expected 'half' or 'interleaved'")
-        if rotary_dim % 2 or not 0 < rotary_dim <= self.head_dim:
-            raise ConversionError(
-                f"manifest model.rope.rotary_dim={rotary_dim}: expected even and ≤ head_dim={self.head_dim}"
-            )
-        if kind not in spec.STATIC_ROPE_SCALINGS:
-            raise ConversionError(
-                f"manifest model.rope.scaling.type={kind!r}: not supported by the reference decoder "
-                "(it needs the rope_freqs tensor)"
-            )
-        inv_freq = self._tensor("rope_freqs", [rotary_dim // 2])
-        return inv_freq, float(_field(m, "rope.attention_factor")), layout
-
-    def _load_layer(self, m: dict, i: int) -> _Layer:
-        h, hd, inter = self.hidden, self.head_dim, self.inter
-        q_out, kv_out = self.n_heads * hd, self.n_kv * hd
-        qkv_bias = bool(_field(m, "attention.qkv_bias"))
-        o_bias = bool(_field(m, "attention.o_bias"))
-        qk_norm = bool(_field(m, "attention.qk_norm"))
-        b = f"blk.{i}."
-        return _Layer(
-            attn_norm=self._tensor(b + "attn_norm.weight", [h]),
-            wq=self._tensor(b + "attn_q.weight", [q_out, h]),
-            wk=self._tensor(b + "attn_k.weight", [kv_out, h]),
-            wv=self._tensor(b + "attn_v.weight", [kv_out, h]),
-            wo=self._tensor(b + "attn_output.weight", [h, q_out]),
-            bq=self._optional(b + "attn_q.bias", [q_out], qkv_bias, "attention.qkv_bias"),
-            bk=self._optional(b + "attn_k.bias", [kv_out], qkv_bias, "attention.qkv_bias"),
-            bv=self._optional(b + "attn_v.bias", [kv_out], qkv_bias, "attention.qkv_bias"),
-            bo=self._optional(b + "attn_output.bias", [h], o_bias, "attention.o_bias"),
-            q_norm=self._optional(b + "attn_q_norm.weight", [hd], qk_norm, "attention.qk_norm"),
-            k_norm=self._optional(b + "attn_k_norm.weight", [hd], qk_norm, "attention.qk_norm"),
-            ffn_norm=self._tensor(b + "ffn_norm.weight", [h]),
-            w_gate=self._tensor(b + "ffn_gate.weight", [inter, h]),
-            w_up=self._tensor(b + "ffn_up.weight", [inter, h]),
-            w_down=self._tensor(b + "ffn_down.weight", [h, inter]),
-            window=self._window(m, i),
-        )
-
-    def _window(self, m: dict, i: int) -> int | None:
-        types = _field(m, "attention.layer_types")
-        window = _field(m, "attention.sliding_window")
-        if not isinstance(types, list) or len(types) != self.n_layers:
-            raise ConversionError(f"manifest model.attention.layer_types: expected {self.n_layers} entries")
-        kind = types[i]
-        if kind == "full":
-            return None
-        if kind != "sliding":
-            raise ConversionError(
-                f"manifest model.attention.layer_types[{i}]={kind!r}: expected 'full' or 'sliding'"
-            )
-        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
-            raise ConversionError(
-                f"manifest model.attention.sliding_window={window!r}: layer {i} is 'sliding', "
-                "expected a positive int"
-            )
-        return window
-
-    def _load_head(self, m: dict) -> np.ndarray:
-        if bool(_field(m, "tie_word_embeddings")):
-            if self._p.has("output.weight"):
-                raise ConversionError(
-                    "tensor output.weight: present but manifest model.tie_word_embeddings is true"
-                )
-            return self.embd
-        return self._tensor("output.weight", [self.vocab, self.hidden])
-
-    # ---- decoding ------------------------------------------------------------------------
 
     def reset(self) -> None:
         """Forget the sequence: empty KV cache, next token at position 0."""
-        self.pos = 0
-        shape = (self.n_kv, _INITIAL_CAPACITY, self.head_dim)
-        self._k = [np.zeros(shape, np.float32) for _ in self.layers]
-        self._v = [np.zeros(shape, np.float32) for _ in self.layers]
+        self._cache = KVCache(self.arch, np.float32)
 
-    def _grow_cache(self) -> None:
-        """Double every layer's cache capacity (amortised O(1) appends)."""
-        for cache in (self._k, self._v):
-            for i, old in enumerate(cache):
-                new = np.zeros((old.shape[0], 2 * old.shape[1], old.shape[2]), np.float32)
-                new[:, : old.shape[1]] = old
-                cache[i] = new
-
-    def _rope_tables(self, pos: int) -> tuple[np.ndarray, np.ndarray]:
-        return rope_tables(self.inv_freq, pos, self.attention_factor)
-
-    def _attention(
-        self, li: int, layer: _Layer, x: np.ndarray, cos: np.ndarray, sin: np.ndarray
-    ) -> np.ndarray:
-        """Self-attention of the token at self.pos; appends its k, v to layer li's cache."""
-        hd = self.head_dim
-        q, k, v = layer.wq @ x, layer.wk @ x, layer.wv @ x
-        if layer.bq is not None:
-            q, k, v = q + layer.bq, k + layer.bk, v + layer.bv
-        q, k, v = q.reshape(-1, hd), k.reshape(-1, hd), v.reshape(-1, hd)
-        if layer.q_norm is not None:
-            q, k = rms_norm(q, layer.q_norm, self.eps), rms_norm(k, layer.k_norm, self.eps)
-        q, k = apply_rope(q, cos, sin, self.layout), apply_rope(k, cos, sin, self.layout)
-        self._k[li][:, self.pos], self._v[li][:, self.pos] = k, v
-        end = self.pos + 1
-        start = 0 if layer.window is None else max(0, end - layer.window)  # i − w < j ≤ i
-        out = attend(q, self._k[li][:, start:end], self._v[li][:, start:end], self.scale)
-        out = layer.wo @ out
-        return out if layer.bo is None else out + layer.bo
-
-    @staticmethod
-    def _mlp(layer: _Layer, x: np.ndarray) -> np.ndarray:
-        return layer.w_down @ (silu(layer.w_gate @ x) * (layer.w_up @ x))
+    @property
+    def pos(self) -> int:
+        return self._cache.length
 
     def step(self, token_id: int) -> np.ndarray:
         """Feed one token at the next position; return f32 logits [vocab] for the position after."""
         if not 0 <= token_id < self.vocab:
             raise UsageError(f"token id {token_id}: outside the vocabulary [0, {self.vocab})")
-        if self.pos == self._k[0].shape[1]:
-            self._grow_cache()
-        cos, sin = self._rope_tables(self.pos)
-        x = self.embd[token_id].copy()
-        for li, layer in enumerate(self.layers):
-            x = x + self._attention(li, layer, rms_norm(x, layer.attn_norm, self.eps), cos, sin)
-            x = x + self._mlp(layer, rms_norm(x, layer.ffn_norm, self.eps))
-        self.pos += 1
-        return (self.head @ rms_norm(x, self.out_norm, self.eps)).astype(np.float32)
+        return forward(self.arch, self._w, [token_id], self._cache)[0].astype(np.float32)
 
     def logits_for(self, tokens: list[int]) -> np.ndarray:
         """Reset, then step through tokens; logits [len(tokens), vocab] (row t predicts t + 1)."""
@@ -364,44 +410,6 @@ def prefill_logits(provider: WeightProvider, tokens: list[int], chunk_values: in
     row chunks of ~chunk_values values through `provider.rows`, and dropped: memory stays at a
     few chunks whatever the model size. The converter computes its probe this way in float64
     (`dtype`), so that the stored float32 logits do not depend on the host's BLAS kernels."""
-    m = provider.model
-    heads, kv, hd = int(m["num_attention_heads"]), int(m["num_kv_heads"]), int(m["head_dim"])
-    eps, scale, n = float(m["norm"]["eps"]), float(m["attention"]["scale"]), len(tokens)
-    att, rope = m["attention"], m["rope"]
+    arch = Arch.from_model(provider.model)
+    return forward(arch, _Streamed(provider, dtype, chunk_values), list(tokens), KVCache(arch, dtype))
 
-    def vec(name: str) -> np.ndarray:
-        return np.asarray(provider.get(name), dtype)
-
-    def linear(name: str, x: np.ndarray, bias: str | None = None) -> np.ndarray:
-        """x @ W.T for W [out, in], W streamed in row chunks."""
-        out_rows = provider.shape(name)[0]
-        step = max(1, chunk_values // x.shape[1])
-        y = np.empty((x.shape[0], out_rows), dtype)
-        for a in range(0, out_rows, step):
-            b = min(a + step, out_rows)
-            y[:, a:b] = x @ np.asarray(provider.rows(name, a, b), dtype).T
-        return y + vec(bias) if bias else y
-
-    x = np.concatenate([np.asarray(provider.rows("token_embd.weight", t, t + 1), dtype) for t in tokens])
-    tables = [rope_tables(vec("rope_freqs"), pos, float(rope["attention_factor"])) for pos in range(n)]
-    for li in range(int(m["num_layers"])):
-        b = f"blk.{li}."
-        h = rms_norm(x, vec(b + "attn_norm.weight"), eps)
-        bias = att["qkv_bias"]
-        q = linear(b + "attn_q.weight", h, b + "attn_q.bias" if bias else None).reshape(n, heads, hd)
-        k = linear(b + "attn_k.weight", h, b + "attn_k.bias" if bias else None).reshape(n, kv, hd)
-        v = linear(b + "attn_v.weight", h, b + "attn_v.bias" if bias else None).reshape(n, kv, hd)
-        if att["qk_norm"]:
-            q, k = rms_norm(q, vec(b + "attn_q_norm.weight"), eps), rms_norm(k, vec(b + "attn_k_norm.weight"), eps)
-        q = np.stack([apply_rope(q[i], *tables[i], rope["layout"]) for i in range(n)])
-        k = np.stack([apply_rope(k[i], *tables[i], rope["layout"]) for i in range(n)])
-        window = att["sliding_window"] if att["layer_types"][li] == "sliding" else None
-        mixed = np.empty((n, heads * hd), dtype)
-        for i in range(n):
-            start = 0 if window is None else max(0, i + 1 - window)  # i − w < j ≤ i
-            mixed[i] = attend(q[i], k[start:i + 1].transpose(1, 0, 2), v[start:i + 1].transpose(1, 0, 2), scale)
-        x = x + linear(b + "attn_output.weight", mixed, b + "attn_output.bias" if att["o_bias"] else None)
-        h = rms_norm(x, vec(b + "ffn_norm.weight"), eps)
-        x = x + linear(b + "ffn_down.weight", silu(linear(b + "ffn_gate.weight", h)) * linear(b + "ffn_up.weight", h))
-    head = "token_embd.weight" if m["tie_word_embeddings"] else "output.weight"
-    return linear(head, rms_norm(x, vec("output_norm.weight"), eps))

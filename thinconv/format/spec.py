@@ -12,6 +12,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from thinconv.format import schema
 from thinconv.format.dtypes import BLOCK_SIZE, row_bytes  # noqa: F401 - part of the shared vocabulary
 
 MAGIC = b"THINv0\0\0"
@@ -82,6 +83,7 @@ class Role:
     shape: Callable[[dict], list[int]]  # from the model's dimensions ([out, in] for matrices)
     matrix: bool = True  # matrices may be cast or quantized; the rest are f32 and one page
     present: Callable[[dict], bool] = lambda m: True  # whether a model with these flags has it
+    flag: str | None = None  # the `model` key that decides `present`, for messages
     absent_because: str = "not part of this model"  # why a model lacks it (for messages)
     dims: str = "hidden_size {hidden_size}"  # what its shape means, for messages
     rope_rows: bool = False  # rows rotate by RoPE: permuted for the interleaved layout (§2.1)
@@ -91,8 +93,9 @@ class Role:
         return self.place == "layer"
 
 
-def _att(flag: str) -> Callable[[dict], bool]:
-    return lambda m: m["attention"][flag]
+def _flag(path: str, absent_because: str) -> dict:
+    """Role fields for a tensor that exists exactly when boolean key `path` is true."""
+    return {"present": lambda m: schema.value(m, path), "flag": path, "absent_because": absent_because}
 
 
 def _q_rows(m: dict) -> int:
@@ -105,33 +108,33 @@ def _kv_rows(m: dict) -> int:
 
 _Q = "num_attention_heads {num_attention_heads} × head_dim {head_dim}"
 _KV = "num_key_value_heads {num_kv_heads} × head_dim {head_dim}"
-_NO_QKV_BIAS, _NO_QK_NORM = "no q/k/v bias", "no q/k norm"
+_QKV_BIAS = _flag("attention.qkv_bias", "no q/k/v bias")
+_QK_NORM = _flag("attention.qk_norm", "no q/k norm")
 
 ROLE_TABLE: tuple[Role, ...] = (
-    Role("rope_freqs", "before", lambda m: [m["rope"]["rotary_dim"] // 2], matrix=False, present=rope_freqs_present),
+    Role("rope_freqs", "before", lambda m: [m["rope"]["rotary_dim"] // 2], matrix=False, present=rope_freqs_present,
+         flag="rope.scaling"),
     Role("token_embd.weight", "before", lambda m: [m["vocab_size"], m["hidden_size"]],
          dims="vocab_size {vocab_size} × hidden_size {hidden_size}"),
     Role("output_norm.weight", "after", lambda m: [m["hidden_size"]], matrix=False),
     Role("output.weight", "after", lambda m: [m["vocab_size"], m["hidden_size"]],
-         present=lambda m: not m["tie_word_embeddings"], dims="vocab_size {vocab_size} × hidden_size {hidden_size}"),
+         present=lambda m: not m["tie_word_embeddings"], flag="tie_word_embeddings",
+         dims="vocab_size {vocab_size} × hidden_size {hidden_size}"),
     Role("attn_norm.weight", "layer", lambda m: [m["hidden_size"]], matrix=False),
     Role("attn_q.weight", "layer", lambda m: [_q_rows(m), m["hidden_size"]], dims=_Q, rope_rows=True),
-    Role("attn_q.bias", "layer", lambda m: [_q_rows(m)], matrix=False, present=_att("qkv_bias"),
-         absent_because=_NO_QKV_BIAS, rope_rows=True),
+    Role("attn_q.bias", "layer", lambda m: [_q_rows(m)], matrix=False, rope_rows=True, **_QKV_BIAS),
     Role("attn_k.weight", "layer", lambda m: [_kv_rows(m), m["hidden_size"]], dims=_KV, rope_rows=True),
-    Role("attn_k.bias", "layer", lambda m: [_kv_rows(m)], matrix=False, present=_att("qkv_bias"),
-         absent_because=_NO_QKV_BIAS, rope_rows=True),
+    Role("attn_k.bias", "layer", lambda m: [_kv_rows(m)], matrix=False, rope_rows=True, **_QKV_BIAS),
     Role("attn_v.weight", "layer", lambda m: [_kv_rows(m), m["hidden_size"]], dims=_KV),
-    Role("attn_v.bias", "layer", lambda m: [_kv_rows(m)], matrix=False, present=_att("qkv_bias"),
-         absent_because=_NO_QKV_BIAS),
-    Role("attn_q_norm.weight", "layer", lambda m: [m["head_dim"]], matrix=False, present=_att("qk_norm"),
-         absent_because=_NO_QK_NORM, dims="head_dim {head_dim}", rope_rows=True),
-    Role("attn_k_norm.weight", "layer", lambda m: [m["head_dim"]], matrix=False, present=_att("qk_norm"),
-         absent_because=_NO_QK_NORM, dims="head_dim {head_dim}", rope_rows=True),
+    Role("attn_v.bias", "layer", lambda m: [_kv_rows(m)], matrix=False, **_QKV_BIAS),
+    Role("attn_q_norm.weight", "layer", lambda m: [m["head_dim"]], matrix=False, dims="head_dim {head_dim}",
+         rope_rows=True, **_QK_NORM),
+    Role("attn_k_norm.weight", "layer", lambda m: [m["head_dim"]], matrix=False, dims="head_dim {head_dim}",
+         rope_rows=True, **_QK_NORM),
     Role("attn_output.weight", "layer", lambda m: [m["hidden_size"], _q_rows(m)],
          dims="hidden_size {hidden_size} × (num_attention_heads {num_attention_heads} × head_dim {head_dim})"),
-    Role("attn_output.bias", "layer", lambda m: [m["hidden_size"]], matrix=False, present=_att("o_bias"),
-         absent_because="no output-projection bias"),
+    Role("attn_output.bias", "layer", lambda m: [m["hidden_size"]], matrix=False,
+         **_flag("attention.o_bias", "no output-projection bias")),
     Role("ffn_norm.weight", "layer", lambda m: [m["hidden_size"]], matrix=False),
     Role("ffn_gate.weight", "layer", lambda m: [m["intermediate_size"], m["hidden_size"]],
          dims="intermediate_size {intermediate_size} × hidden_size {hidden_size}"),
