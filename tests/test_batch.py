@@ -27,6 +27,8 @@ runner = CliRunner()
 
 # ---------------------------------------------------------------- helpers
 
+pytestmark = pytest.mark.slow  # worker processes, signals, subprocesses
+
 def toml_value(v) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"

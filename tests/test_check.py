@@ -389,6 +389,7 @@ def test_json_fields(archive, sources):
     assert d["engine"] == "decode"  # a tiny model decodes token by token
 
 
+@pytest.mark.slow
 def test_tokens_and_steps(archive, sources):
     a, src = archive("qwen2", "bf16"), sources["qwen2"]
     code, d = check(a, "--against", src, "--tokens", "5, 17,200,3,3,9")
@@ -457,6 +458,7 @@ def _without_torch(*argv: str) -> subprocess.CompletedProcess:
                           env={**os.environ, "COLUMNS": "200"})
 
 
+@pytest.mark.slow
 def test_missing_torch(archive, sources):
     a = archive("qwen3", "bf16")
     r = _without_torch("check", a, "--against", sources["qwen3"])
@@ -476,6 +478,7 @@ def test_missing_torch_message_names_the_extra():
     assert r.stdout.startswith("UsageError ") and "pip install 'thinconv[check]'" in r.stdout, r.stdout + r.stderr
 
 
+@pytest.mark.slow
 def test_missing_torch_cli_names_the_extra(archive, sources):
     r = _without_torch("check", archive("qwen3", "bf16"), "--against", sources["qwen3"])
     assert "pip install 'thinconv[check]'" in r.stderr, r.stderr
@@ -643,6 +646,7 @@ def test_run_matches_transformers_generate(tiny_llama):
     assert r.stdout.rstrip("\n") == tok.decode(ids + gen, skip_special_tokens=True)
 
 
+@pytest.mark.slow
 def test_run_console_script(tiny_llama):
     exe = Path(sys.executable).parent / "thinconv"
     r = subprocess.run([str(exe), "run", str(tiny_llama), "--prompt", "The river", "--max-new-tokens", "12"],

@@ -138,6 +138,7 @@ def test_per_recipe_command_refuses_other_architectures(app, ckpts, family, kind
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_help_lists_the_recipe_commands():
     """The real entry point registers one sub-command per built-in recipe."""
     r = run_cli("--help")

@@ -228,6 +228,7 @@ def test_bad_input(broken):
     assert not marker.exists()  # the pickle was never loaded
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["invalid_config", "f16_overflow"])
 def test_bad_input_in_a_subprocess_is_one_line(name, llama_copy: Ckpt, tmp_path):
     """The real console script: exit 1, one line on stderr (no numpy warning either), no traceback."""
@@ -289,6 +290,7 @@ def test_nan_inf_are_counted_and_warned(llama_copy: Ckpt, tmp_path, probe):
     assert runner.invoke(app, ["verify", str(out)]).exit_code == 0
 
 
+@pytest.mark.slow
 def test_f64_overflow_with_probe(llama_copy: Ckpt, tmp_path):
     needles, extra = _case("f64_beyond_f32", llama_copy.path, tmp_path / "marker")
     r = run_cli("convert", llama_copy.path, tmp_path / "o.thin", *extra)
@@ -380,6 +382,7 @@ def _drop_dac_override() -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP, CAP_DAC_OVERRIDE) failed")
 
 
+@pytest.mark.slow
 def test_output_folder_not_writable(ckpts, tmp_path):
     """chmod 0o500 on the output folder. Root bypasses permission bits through CAP_DAC_OVERRIDE, so the
     CLI runs in a subprocess whose bounding set lacks that capability (see _drop_dac_override)."""
@@ -395,6 +398,7 @@ def test_output_folder_not_writable(ckpts, tmp_path):
         os.chmod(out_dir, 0o700)
 
 
+@pytest.mark.slow
 def test_disk_full_mid_write(ckpts, tmp_path):
     """RLIMIT_FSIZE below the archive size: the write fails part-way; no partial or temp file remains."""
     out_dir = tmp_path / "out"

@@ -30,6 +30,7 @@ def _env(home) -> dict:
             "HUGGINGFACE_HUB_CACHE": None}
 
 
+@pytest.mark.slow
 def test_convert_repo_id_offline(hub, ckpts, tmp_path):
     out = tmp_path / "hub.thin"
     r = run_cli("convert", REPO, out, "--no-probe", env=_env(hub))
@@ -59,6 +60,7 @@ def test_convert_repo_id_offline(hub, ckpts, tmp_path):
     assert r.returncode == 0, r.stderr
 
 
+@pytest.mark.slow
 def test_unknown_revision_is_one_line(hub, tmp_path):
     out = tmp_path / "x.thin"
     r = run_cli("convert", REPO, out, "--revision", "v9-does-not-exist", "--no-probe", env=_env(hub))

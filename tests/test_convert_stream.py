@@ -216,6 +216,7 @@ def test_no_partial_pages_in_an_archive_written_in_one_pass(ckpts, reference):
             assert report.bytes_checked == sum(p.size for p in a.pages)
 
 
+@pytest.mark.slow
 def test_conversion_imports_neither_transformers_nor_torch(ckpts, tmp_path):
     """A default conversion (probe included) needs numpy, not the reference frameworks."""
     import subprocess

@@ -357,6 +357,7 @@ def test_invalid_json(tmp_path):
     assert "manifest: invalid JSON at line 1 column" in _manifest_error(tmp_path, mbytes)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("needle", [b'"runtime":{}', b'"format":"thin"', b'"source":[]'])
 def test_deep_nesting(tmp_path, needle):
     """Nesting near or past the recursion limit is a format error, never a RecursionError. The depth
@@ -419,6 +420,7 @@ def test_verify_lists_every_failure(tmp_path):
     assert f"page {r2.id.decode()!r} at offset {r2.offset}" in failures[3]
 
 
+@pytest.mark.slow
 def test_every_single_byte_is_covered(tmp_path):
     """Flip bytes of the header, manifest, table, padding and the first page in turn (every 41st
     byte): open or verify must object every time, with a ThinFormatError or a listed failure."""

@@ -106,6 +106,7 @@ def test_verify_unopenable(tmp_path):
     assert r.exit_code == 1 and "bad magic" in r.stderr and "not a THIN archive" in r.stderr
 
 
+@pytest.mark.slow
 def test_truncated_file_one_line_no_traceback(archive):
     path, _, _ = archive
     data = path.read_bytes()
@@ -146,6 +147,7 @@ def test_inspect_json(archive):
     assert "tensors" not in s
 
 
+@pytest.mark.slow
 def test_inspect_tensors(archive):
     path, manifest, _ = archive
     r = run("inspect", "--json", "--tensors", path)
@@ -224,6 +226,7 @@ print("HEAVY=" + ",".join(m for m in {heavy!r} if m in sys.modules), file=sys.st
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", [["inspect"], ["inspect", "--json", "--tensors"], ["verify"]])
 def test_no_heavy_imports(archive, command):
     path, _, _ = archive
@@ -242,6 +245,7 @@ def test_importtime_has_no_heavy_modules():
 
 # -- messages are printed verbatim, not as rich markup ('[/x]' used to raise MarkupError, '[bold]' vanished) --
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key", ["[/x]", "[bold]x"])
 def test_messages_are_not_markup(tmp_path, key):
     buf, m, _, _ = base_archive()

@@ -11,6 +11,7 @@ import tempfile
 import tracemalloc
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -40,6 +41,8 @@ _DEEP = int(os.environ.get("THIN_FUZZ_EXAMPLES", "0"))
 SETTINGS = settings(max_examples=_DEEP or 150, deadline=1000, derandomize=not _DEEP, database=None,
                     suppress_health_check=[HealthCheck.too_slow])
 
+
+pytestmark = pytest.mark.slow  # thousands of fuzz cases
 
 def _interesting(bits: int) -> st.SearchStrategy[int]:
     top = 2**bits - 1

@@ -559,6 +559,7 @@ def test_unhashable_names_do_not_crash(name):
     assert {"tensors[1].name", "assets[1].name"} <= paths
 
 
+@pytest.mark.slow
 def test_junk_or_missing_anywhere_is_reported_not_raised():
     """Replace each node of a valid manifest by junk, or delete it: validation reports, never raises."""
     m0 = base("q8")[0]

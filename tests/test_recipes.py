@@ -208,6 +208,7 @@ def test_user_recipe_copy_of_llama_via_recipes_dir(llama_copy: Ckpt, tmp_path):
     assert out2.read_bytes() == out.read_bytes()
 
 
+@pytest.mark.slow
 def test_acme_worked_example(acme, ckpts, tmp_path):
     """docs/adding-an-architecture.md §3, step by step, with $THINCONV_RECIPES."""
     src, recipes, tensors = acme
@@ -374,6 +375,7 @@ def test_invalid_recipe_file(case, tmp_path):
     assert_one_line_error(r.stderr, *needles)
 
 
+@pytest.mark.slow
 def test_invalid_recipe_via_env_in_a_subprocess(tmp_path, ckpts):
     """A broken $THINCONV_RECIPES recipe: the CLI still starts, and says what is wrong in one line."""
     (tmp_path / "broken.toml").write_text('name = "broken"\narchitectures = ["X"]\nfrobnicate = true\n')

@@ -347,6 +347,7 @@ def test_hub_errors_become_one_line(monkeypatch: pytest.MonkeyPatch, error: str,
     _expect("org/tiny", pattern)
 
 
+@pytest.mark.slow
 def test_hub_env_is_honoured_in_a_fresh_process(hub_repo: Path, tmp_path: Path) -> None:
     """No patching: HF_HOME and HF_HUB_OFFLINE read by huggingface_hub at import time."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}

@@ -183,6 +183,7 @@ def hub_download(repo_id: str, revision: str, token: str | None, patterns: list[
     """Download the files of `repo_id` at `revision` matching `patterns` into the HF cache and
     return the snapshot folder (``snapshot_download``: honours HF_HOME, HF_TOKEN, HF_HUB_OFFLINE).
     Every failure is a one-line :class:`CheckpointError`."""
+    # lazy, as in looks_like_repo_id: local conversions never pay for huggingface_hub
     from huggingface_hub import constants, errors, snapshot_download
     from huggingface_hub.errors import (
         DisabledRepoError,

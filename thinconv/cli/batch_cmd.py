@@ -1,4 +1,5 @@
-"""`batch`: the command and its two views (a live table on a terminal, plain lines otherwise)."""
+"""`batch`: the command and its two views (a live table on a terminal, plain lines otherwise).
+The batch engine is imported inside the command (start-up time of the other commands)."""
 
 from __future__ import annotations
 

@@ -58,29 +58,32 @@ MODEL_KEYS: tuple[Key, ...] = (
     Key("source_architecture", "str", doc="the Hugging Face class, e.g. LlamaForCausalLM"),
     *(Key(k, "int", minimum=1, doc="as in the source config") for k in _DIMS),
     Key("tie_word_embeddings", "bool", doc="true: no output.weight; the head is token_embd.weight"),
-    Key("norm", "object"),
+    Key("norm", "object", doc="every norm of the model (block norms, q/k norms, output_norm)"),
     Key("norm.type", "str", choices=("rmsnorm",), doc="y = x · rsqrt(mean(x²) + eps) · w"),
-    Key("norm.eps", "number", positive=True),
-    Key("mlp", "object"),
+    Key("norm.eps", "number", positive=True, doc="added to the mean of squares"),
+    Key("mlp", "object", doc="the feed-forward block"),
     Key("mlp.type", "str", choices=("gated",), doc="down(act(gate(x)) · up(x))"),
-    Key("mlp.activation", "str", choices=("silu",)),
-    Key("attention", "object"),
+    Key("mlp.activation", "str", choices=("silu",), doc="silu(x) = x · sigmoid(x)"),
+    Key("attention", "object", doc="self-attention (GQA: query head h uses kv head h ÷ (heads / kv_heads))"),
     Key("attention.qkv_bias", "bool", doc="attn_q/k/v.bias exist"),
     Key("attention.o_bias", "bool", doc="attn_output.bias exists"),
     Key("attention.qk_norm", "bool", doc="attn_q_norm / attn_k_norm exist (RMSNorm per head, before RoPE)"),
-    Key("attention.sliding_window", "int", minimum=1, nullable=True, doc="window of 'sliding' layers"),
-    Key("attention.layer_types", "layers", choices=("full", "sliding"), doc="one per layer"),
+    Key("attention.sliding_window", "int", minimum=1, nullable=True,
+        doc="on a sliding layer, position i attends to j with i − window < j ≤ i"),
+    Key("attention.layer_types", "layers", choices=("full", "sliding"),
+        doc="\"sliding\" only when sliding_window is an int"),
     Key("attention.scale", "number", positive=True, doc="scores = (q · k) × scale"),
-    Key("rope", "object"),
-    Key("rope.theta", "number", positive=True),
-    Key("rope.rotary_dim", "int", minimum=2, doc="even, ≤ head_dim"),
-    Key("rope.layout", "str", choices=("half", "interleaved")),
+    Key("rope", "object", doc="rotary position embedding"),
+    Key("rope.theta", "number", positive=True, doc="the base"),
+    Key("rope.rotary_dim", "int", minimum=2, doc="even, ≤ head_dim: the first rotary_dim dims of each head rotate"),
+    Key("rope.layout", "str", choices=("half", "interleaved"),
+        doc="half: dim i pairs with i + rotary_dim/2; interleaved: 2i with 2i + 1"),
     Key("rope.scaling", "scaling", doc="null, or the source's parameters with the kind in `type`"),
     Key("rope.attention_factor", "number", positive=True, doc="multiplies cos and sin"),
-    Key("special_tokens", "object"),
-    Key("special_tokens.bos", "token", nullable=True),
-    Key("special_tokens.eos", "tokens"),
-    Key("special_tokens.pad", "token", nullable=True),
+    Key("special_tokens", "object", doc="token ids in [0, vocab_size)"),
+    Key("special_tokens.bos", "token", nullable=True, doc="beginning of sequence"),
+    Key("special_tokens.eos", "tokens", doc="every token that ends generation"),
+    Key("special_tokens.pad", "token", nullable=True, doc="padding"),
 )
 BY_PATH: dict[str, Key] = {k.path: k for k in MODEL_KEYS}
 
@@ -129,3 +132,28 @@ def canonical_model(model: dict, parent: str = "") -> dict:
             continue
         out[k] = v
     return out
+
+
+_TYPE_NAMES = {"str": "string", "int": "int", "number": "number", "bool": "bool", "object": "object",
+               "layers": "list, one per layer", "token": "token id", "tokens": "list of token ids",
+               "scaling": "object or null"}
+
+
+def markdown_table() -> str:
+    """The key table FORMAT.md carries (tests/test_schema.py checks the two agree; print it with
+    `python -c "from thinconv.format.schema import markdown_table as t; print(t(), end='')"`)."""
+    import json
+
+    rows = ["| key | type | default | values and meaning |", "|---|---|---|---|"]
+    for k in MODEL_KEYS:
+        kind = _TYPE_NAMES[k.type] + (" or null" if k.nullable else "")
+        if k.type == "int" and k.minimum is not None:
+            kind += f" ≥ {k.minimum}"
+        if k.type == "number" and k.positive:
+            kind += " > 0"
+        default = "required" if not k.optional else f"`{json.dumps(k.default)}`"
+        values = " \\| ".join(f"`{json.dumps(c)}`" for c in k.choices)
+        meaning = "; ".join(x for x in (values, k.doc) if x)
+        rows.append(f"| `{k.path}` | {kind} | {default} | {meaning} |")
+    return "\n".join(rows) + "\n"
+

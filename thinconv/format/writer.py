@@ -364,7 +364,7 @@ def start_writeback(fd: int, offset: int, length: int) -> None:
 @functools.lru_cache(maxsize=None)
 def _libc_function(name: str):
     """A libc function taking (int, int64, int64, int) or (int, int, int64, int64), or None."""
-    import ctypes
+    import ctypes  # lazy: only Linux has these calls (and only streamed writes use them)
     import ctypes.util
 
     if not sys.platform.startswith("linux"):
@@ -418,7 +418,7 @@ def _write_zeros_at(fd: int, offset: int, n: int) -> None:
 
 
 def _fallocate(fd: int, mode: int, offset: int, length: int) -> None:
-    import ctypes
+    import ctypes  # lazy: as in _libc_function
 
     fn = _libc_function("fallocate")
     if fn is None:
