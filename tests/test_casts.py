@@ -58,3 +58,31 @@ def test_integer_f32_to_bf16_equals_ml_dtypes():
         with np.errstate(all="ignore"):
             want = x.astype(ml_dtypes.bfloat16)
         assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
+
+
+def test_f16_to_f32_is_exact_for_every_finite_input_and_flags_the_rest():
+    """The quantizer's f16 upcast (bit arithmetic): equal to numpy's cast on all finite f16 values;
+    Inf and NaN land at |x| >= 65536 (the documented contract the quantizer relies on)."""
+    from thinconv.casts import f16_to_f32
+
+    bits = np.arange(65536, dtype=np.uint16)
+    got = np.empty(65536, np.float32)
+    f16_to_f32(bits, got)
+    want = bits.view(np.float16).astype(np.float32)
+    finite = np.isfinite(want)
+    assert np.array_equal(got[finite].view(np.uint32), want[finite].view(np.uint32))  # signed zeros too
+    assert (np.abs(got[~finite]) >= 65536).all()
+
+
+def test_bf16_widening_is_exact_on_every_pattern():
+    from thinconv.casts import bf16_to_f32, widen
+
+    x = np.arange(65536, dtype=np.uint16)
+    got = np.empty(65536, np.float32)
+    bf16_to_f32(x, got)
+    want = x.view(ml_dtypes.bfloat16).astype(np.float32)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert np.array_equal(widen(x.view(ml_dtypes.bfloat16).reshape(256, 256)).view(np.uint32).reshape(-1),
+                          want.view(np.uint32))
+    f64 = np.linspace(-3, 3, 7)
+    assert widen(f64).dtype == np.float64 and np.array_equal(widen(f64), f64)  # f64 stays f64
