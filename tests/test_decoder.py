@@ -80,6 +80,7 @@ def manifest(
     qk_norm: bool = False,
     window: int | None = None,
     layer_types: list[str] | None = None,
+    attention_factor: float = 1.0,
 ) -> dict:
     """The manifest `model` object (spec §2.1) for an HF config, written out key by key."""
     return {
@@ -109,7 +110,7 @@ def manifest(
             "rotary_dim": rotary_dim,
             "layout": "half",
             "scaling": scaling,
-            "attention_factor": 1.0,
+            "attention_factor": attention_factor,
         },
         "special_tokens": {"bos": cfg.bos_token_id, "eos": [cfg.eos_token_id], "pad": None},
     }
@@ -201,6 +202,42 @@ def case_phi3_partial() -> tuple[torch.nn.Module, dict]:
     return _build(Phi3ForCausalLM, cfg, 8), manifest(cfg, "phi3", head_dim=16, rotary_dim=8)
 
 
+def case_llama_yarn() -> tuple[torch.nn.Module, dict]:
+    """YaRN: a static table and an attention factor of 0.1·ln(4) + 1 on cos and sin."""
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}
+    cfg = LlamaConfig(**TINY, num_attention_heads=4, num_key_value_heads=2, rope_parameters=rope,
+                      tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
+    scaling = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    m = manifest(cfg, "llama", head_dim=16, rotary_dim=16, scaling=scaling, attention_factor=0.1 * math.log(4.0) + 1)
+    return _build(LlamaForCausalLM, cfg, 9), m
+
+
+def case_llama_dynamic() -> tuple[torch.nn.Module, dict]:
+    """Dynamic NTK: the table grows with the sequence once it passes max_position_embeddings (16 < 24)."""
+    rope = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+    cfg = LlamaConfig(**{**TINY, "max_position_embeddings": 16}, num_attention_heads=4, num_key_value_heads=2,
+                      rope_parameters=rope, tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
+    m = manifest(cfg, "llama", head_dim=16, rotary_dim=16, scaling={"type": "dynamic", "factor": 2.0})
+    return _build(LlamaForCausalLM, cfg, 10), m
+
+
+def case_phi3_longrope() -> tuple[torch.nn.Module, dict]:
+    """Longrope: long factors once the sequence passes original_max_position_embeddings (16 < 24),
+    attention factor sqrt(1 + ln(64/16) / ln 16), partial rotary."""
+    rng = np.random.default_rng(11)
+    short, long = (1 + rng.random(4)).round(3).tolist(), (2 + 4 * rng.random(4)).round(3).tolist()
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": short, "long_factor": long,
+            "original_max_position_embeddings": 16, "partial_rotary_factor": 0.5}
+    cfg = Phi3Config(**{**TINY, "max_position_embeddings": 64}, num_attention_heads=4, num_key_value_heads=2,
+                     rope_parameters=rope, original_max_position_embeddings=16, sliding_window=None,
+                     tie_word_embeddings=False, architectures=["Phi3ForCausalLM"])
+    scaling = {"type": "longrope", "short_factor": short, "long_factor": long, "original_max_position_embeddings": 16,
+               "factor": 4.0}
+    m = manifest(cfg, "phi3", head_dim=16, rotary_dim=8, scaling=scaling,
+                 attention_factor=math.sqrt(1 + math.log(4.0) / math.log(16)))
+    return _build(Phi3ForCausalLM, cfg, 11), m
+
+
 CASES: dict[str, Callable[[], tuple[torch.nn.Module, dict]]] = {
     "llama3-tied": case_llama3,
     "llama2-mha": case_llama2,
@@ -210,6 +247,9 @@ CASES: dict[str, Callable[[], tuple[torch.nn.Module, dict]]] = {
     "qwen2-sliding": case_qwen2_sliding,
     "qwen3-qknorm": case_qwen3,
     "phi3-partial-rotary": case_phi3_partial,
+    "llama-yarn": case_llama_yarn,
+    "llama-dynamic": case_llama_dynamic,
+    "phi3-longrope": case_phi3_longrope,
 }
 _BUILT: dict[str, tuple] = {}
 
@@ -222,7 +262,10 @@ def built(name: str) -> tuple[torch.nn.Module, dict, dict[str, np.ndarray], list
         tokens = np.random.default_rng(len(name)).integers(0, m["vocab_size"], n).tolist()
         with torch.no_grad():
             ref = hf(torch.tensor([tokens])).logits[0].float().numpy()
-        _BUILT[name] = (hf, m, canonical(hf, m["tie_word_embeddings"]), tokens, ref)
+        tensors = canonical(hf, m["tie_word_embeddings"])
+        if (m["rope"]["scaling"] or {}).get("type") in ("dynamic", "longrope"):
+            del tensors["rope_freqs"]  # the table depends on the sequence length: there is none to store
+        _BUILT[name] = (hf, m, tensors, tokens, ref)
     return _BUILT[name]
 
 
@@ -400,14 +443,37 @@ def test_dict_provider_upcasts_to_f32() -> None:
     assert REL_TOL < err < 0.05  # bf16 rounding shows, but the model is intact
 
 
-def test_dynamic_rope_is_rejected() -> None:
+def test_rope_freqs_is_required_for_a_static_table() -> None:
     _, m, tensors, _, _ = built("llama2-mha")
-    dyn = with_(m, rope={"scaling": {"type": "dynamic", "factor": 2.0}})
     no_freqs = {k: v for k, v in tensors.items() if k != "rope_freqs"}
-    with pytest.raises(ConversionError, match="'dynamic': not supported by the reference decoder"):
-        Decoder(DictProvider(dyn, no_freqs))
     with pytest.raises(ConversionError, match="tensor rope_freqs: missing"):
         Decoder(DictProvider(m, no_freqs))
+
+
+@pytest.mark.parametrize("name", ["llama-dynamic", "phi3-longrope"])
+def test_sequence_dependent_rope_acts_past_its_switch(name: str) -> None:
+    """Dynamic and longrope: the first 16 positions alone use the base table (the sequence is short),
+    the whole 24 the scaled one — both as transformers computes them."""
+    _, m, tensors, tokens, ref = built(name)
+    fresh, _ = CASES[name]()  # same seed, same weights; transformers' dynamic table is stateful
+    with torch.no_grad():
+        short = fresh(torch.tensor([tokens[:16]])).logits[0].float().numpy()
+    assert rel_err(decode(m, tensors, tokens[:16]), short) <= REL_TOL
+    assert rel_err(short, ref[:16]) > FAR  # the scaling really changed the first 16 positions
+    plain = with_(m, rope={"scaling": None, "attention_factor": 1.0})
+    base = (1.0 / 10000.0 ** (np.arange(0, m["rope"]["rotary_dim"], 2) / m["rope"]["rotary_dim"])).astype(np.float32)
+    assert rel_err(decode(plain, {**tensors, "rope_freqs": base}, tokens), ref) > FAR
+
+
+def test_yarn_attention_factor_matters_in_both_paths() -> None:
+    """The factor on cos and sin (0.1·ln 4 + 1 here): dropping it must show, token by token and streamed."""
+    _, m, tensors, tokens, ref = built("llama-yarn")
+    lie = with_(m, rope={"attention_factor": 1.0})
+    assert rel_err(decode(lie, tensors, tokens), ref) > FAR
+    assert rel_err(prefill_logits(DictProvider(lie, tensors), tokens), ref) > FAR
+    dec = Decoder(DictProvider(lie, tensors))
+    dec.logits_for(tokens[:3])
+    assert rel_err(dec.step(tokens[3])[None], ref[3:4]) > FAR
 
 
 def _drop(t: dict, name: str) -> dict:

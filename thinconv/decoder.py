@@ -1,12 +1,13 @@
-"""Numpy reference decoder for THIN v0 models (spec §2): slow, plain, and exact.
+"""Numpy reference decoder for THIN v0 models (spec §2, the vocabulary addendum): slow, plain, exact.
 
 It is driven only by the manifest `model` object (read through `format.schema`, so absent optional
 keys mean their defaults) and the canonical tensors, so it checks an archive — or a converter's
-tensor mapping — against the spec rather than against any one HF class.
+tensor mapping — against the spec rather than against any one HF class. The arithmetic of each
+operation is in `thinconv.nn`.
 
 One forward pass serves both ways of running it: `Decoder` keeps the weights resident in float32
-and decodes token by token with a KV cache; `prefill_logits` streams every weight once, in row
-chunks, over a whole short sequence (bounded memory; float64 for the probe). Both run `forward`.
+and decodes with a KV cache; `prefill_logits` streams every weight once, in row chunks, over a
+whole short sequence (bounded memory; float64 for the probe). Both run `forward`.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from thinconv import nn
 from thinconv.errors import ConversionError, UsageError
 from thinconv.format import schema, spec
+from thinconv.rope import DYNAMIC_SCALING_TYPES, runtime_inv_freq
 
 _INITIAL_CAPACITY = 16
 
@@ -34,11 +37,12 @@ class WeightProvider(Protocol):
         ...
 
     def get(self, name: str) -> np.ndarray:
-        """Tensor `name` as float32, shaped as the manifest says ([out, in] for matrices)."""
+        """Tensor `name` as float32, shaped as the manifest says ([out, in]; [E, out, in] for experts)."""
         ...
 
     def rows(self, name: str, start: int, end: int) -> np.ndarray:
-        """Rows [start, end) of tensor `name` as float32 (used by `prefill_logits`)."""
+        """Rows [start, end) of tensor `name` as a float32 matrix (a 3-D [E, r, c] tensor counts
+        rows of its [E·r, c] view), for streaming."""
         ...
 
     def shape(self, name: str) -> list[int]:
@@ -62,7 +66,8 @@ class DictProvider:
         return np.asarray(self._tensors[name]).astype(np.float32)
 
     def rows(self, name: str, start: int, end: int) -> np.ndarray:
-        return self.get(name)[start:end]
+        t = self.get(name)
+        return (t.reshape(-1, t.shape[-1]) if t.ndim == 3 else t)[start:end]
 
     def shape(self, name: str) -> list[int]:
         return list(np.shape(self._tensors[name]))
@@ -80,8 +85,27 @@ def _field(model: dict, path: str) -> Any:
 
 
 @dataclass(frozen=True)
+class Rope:
+    """One rotary embedding: its table (a tensor, or computed per sequence length) and factor."""
+
+    table: str | None  # the tensor holding the static inverse frequencies, or None (dynamic, longrope)
+    params: dict  # theta, rotary_dim, scaling: what a sequence-dependent table is computed from
+    factor: float  # attention_factor: multiplies cos and sin
+
+
+@dataclass(frozen=True)
+class MoE:
+    experts: int
+    top_k: int
+    norm_topk: bool
+    layers: tuple[bool, ...]
+    shared: bool
+    shared_gate: bool
+
+
+@dataclass(frozen=True)
 class Arch:
-    """What the decoder computes, from the manifest `model` object, checked once."""
+    """Everything the decoder computes, from the manifest `model` object, checked once."""
 
     hidden: int
     n_layers: int
@@ -89,46 +113,98 @@ class Arch:
     n_kv: int
     head_dim: int
     vocab: int
-    eps: float
-    scale: float
-    layout: str
-    attention_factor: float
-    windows: tuple[int | None, ...]  # per layer: the sliding window, or None on a "full" layer
+    max_pos: int
     tied: bool
+    norm_type: str
+    eps: float
+    norm_offset: float
+    norm_bias: bool
+    gated: bool
+    act: str
+    mlp_bias: bool
+    parallel: bool
+    shared_norm: bool
+    pre_norm: bool
+    post_norm: bool
+    residual_scale: float
+    emb_scale: float
+    logit_scale: float
+    logit_softcap: float | None
     qkv_bias: bool
     o_bias: bool
     qk_norm: bool
+    qk_per_head: bool
+    qk_full: bool
+    scale: float
+    softcap: float | None
+    layout: str
+    windows: tuple[int | None, ...]  # per layer: the sliding window, or None on a "full" layer
+    rope_layers: tuple[bool, ...]
+    rope: Rope
+    rope_sliding: Rope | None
+    moe: MoE | None
 
     @classmethod
     def from_model(cls, m: dict) -> "Arch":
-        dims = {k: int(_field(m, k)) for k in ("hidden_size", "num_layers", "num_attention_heads", "num_kv_heads",
-                                                "head_dim", "vocab_size", "intermediate_size")}
-        if _field(m, "norm.type") != "rmsnorm":
-            raise ConversionError(f"manifest model.norm.type={m['norm']['type']!r}: expected 'rmsnorm'")
-        if (_field(m, "mlp.type"), _field(m, "mlp.activation")) != ("gated", "silu"):
-            raise ConversionError(f"manifest model.mlp={m['mlp']!r}: expected gated silu")
+        f = lambda path: _field(m, path)  # noqa: E731
+        dims = {k: int(f(k)) for k in ("hidden_size", "num_layers", "num_attention_heads", "num_kv_heads",
+                                        "head_dim", "vocab_size", "intermediate_size", "max_position_embeddings")}
+        n = dims["num_layers"]
+        _check_choices(m)
         if dims["num_attention_heads"] % dims["num_kv_heads"]:
             raise ConversionError(f"manifest model.num_attention_heads={dims['num_attention_heads']} is not a "
                                   f"multiple of num_kv_heads={dims['num_kv_heads']}")
-        layout = _field(m, "rope.layout")
-        if layout not in schema.BY_PATH["rope.layout"].choices:
-            raise ConversionError(f"manifest model.rope.layout={layout!r}: expected 'half' or 'interleaved'")
-        rotary_dim = int(_field(m, "rope.rotary_dim"))
-        if rotary_dim % 2 or not 0 < rotary_dim <= dims["head_dim"]:
-            raise ConversionError(f"manifest model.rope.rotary_dim={rotary_dim}: expected even and ≤ "
-                                  f"head_dim={dims['head_dim']}")
-        scaling = _field(m, "rope.scaling")
-        kind = None if scaling is None else scaling.get("type")
-        if kind not in spec.STATIC_ROPE_SCALINGS:
-            raise ConversionError(f"manifest model.rope.scaling.type={kind!r}: not supported by the reference decoder "
-                                  "(it needs the rope_freqs tensor)")
-        return cls(hidden=dims["hidden_size"], n_layers=dims["num_layers"], n_heads=dims["num_attention_heads"],
-                   n_kv=dims["num_kv_heads"], head_dim=dims["head_dim"], vocab=dims["vocab_size"],
-                   eps=float(_field(m, "norm.eps")), scale=float(_field(m, "attention.scale")), layout=layout,
-                   attention_factor=float(_field(m, "rope.attention_factor")),
-                   windows=_windows(m, dims["num_layers"]), tied=bool(_field(m, "tie_word_embeddings")),
-                   qkv_bias=bool(_field(m, "attention.qkv_bias")), o_bias=bool(_field(m, "attention.o_bias")),
-                   qk_norm=bool(_field(m, "attention.qk_norm")))
+        return cls(
+            hidden=dims["hidden_size"], n_layers=n, n_heads=dims["num_attention_heads"], n_kv=dims["num_kv_heads"],
+            head_dim=dims["head_dim"], vocab=dims["vocab_size"], max_pos=dims["max_position_embeddings"],
+            tied=bool(f("tie_word_embeddings")), norm_type=f("norm.type"), eps=float(f("norm.eps")),
+            norm_offset=float(f("norm.weight_offset")), norm_bias=bool(f("norm.bias")),
+            gated=f("mlp.type") == "gated", act=f("mlp.activation"), mlp_bias=bool(f("mlp.bias")),
+            parallel=f("block.residual") == "parallel", shared_norm=bool(f("block.shared_norm")),
+            pre_norm=bool(f("block.pre_norm")), post_norm=bool(f("block.post_norm")),
+            residual_scale=float(f("block.residual_scale")), emb_scale=float(f("embedding.scale")),
+            logit_scale=float(f("logits.scale")), logit_softcap=f("logits.softcap"),
+            qkv_bias=bool(f("attention.qkv_bias")), o_bias=bool(f("attention.o_bias")),
+            qk_norm=bool(f("attention.qk_norm")), qk_per_head=f("attention.qk_norm_weights") == "per_head",
+            qk_full=f("attention.qk_norm_scope") == "full", scale=float(f("attention.scale")),
+            softcap=f("attention.softcap"), layout=f("rope.layout"), windows=_windows(m, n),
+            rope_layers=tuple(_flags(m, "rope.layers", n)), rope=_rope(m, dims["head_dim"]),
+            rope_sliding=_rope(m, dims["head_dim"], sliding=True), moe=_moe(m, n))
+
+
+_SUPPORTED = {"norm.type": ("rmsnorm", "layernorm"), "mlp.type": ("gated", "plain"),
+              "mlp.activation": tuple(nn.ACTIVATIONS), "rope.layout": ("half", "interleaved"),
+              "block.residual": ("sequential", "parallel"), "attention.qk_norm_weights": ("shared", "per_head"),
+              "attention.qk_norm_scope": ("head", "full")}
+
+
+def _check_choices(m: dict) -> None:
+    for path, choices in _SUPPORTED.items():
+        v = _field(m, path)
+        if v not in choices:
+            raise ConversionError(f"manifest model.{path}={v!r}: expected {' or '.join(map(repr, choices))}")
+
+
+def _rope(m: dict, head_dim: int, sliding: bool = False) -> Rope | None:
+    if sliding:
+        obj = _field(m, "rope.sliding")
+        if obj is None:
+            return None
+        params = {"theta": obj["theta"], "rotary_dim": _field(m, "rope.rotary_dim"), "scaling": obj["scaling"]}
+        table, factor = "rope_freqs_sliding", obj["attention_factor"]
+    else:
+        params = {k: _field(m, f"rope.{k}") for k in ("theta", "rotary_dim", "scaling")}
+        table, factor = "rope_freqs", _field(m, "rope.attention_factor")
+    rotary_dim = params["rotary_dim"]
+    if not isinstance(rotary_dim, int) or rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+        raise ConversionError(f"manifest model.rope.rotary_dim={rotary_dim}: expected even and ≤ head_dim={head_dim}")
+    scaling = params["scaling"]
+    kind = None if scaling is None else scaling.get("type")
+    if kind in DYNAMIC_SCALING_TYPES:
+        table = None
+    elif kind not in spec.STATIC_ROPE_SCALINGS:
+        raise ConversionError(f"manifest model.rope.scaling.type={kind!r}: not supported by the reference decoder")
+    return Rope(table, params, float(factor))
 
 
 def _windows(m: dict, n_layers: int) -> tuple[int | None, ...]:
@@ -148,6 +224,25 @@ def _windows(m: dict, n_layers: int) -> tuple[int | None, ...]:
         else:
             out.append(window)
     return tuple(out)
+
+
+def _flags(m: dict, path: str, n_layers: int) -> list[bool]:
+    v = _field(m, path)
+    if not isinstance(v, list) or len(v) != n_layers or not all(isinstance(x, bool) for x in v):
+        raise ConversionError(f"manifest model.{path}: expected {n_layers} booleans")
+    return v
+
+
+def _moe(m: dict, n_layers: int) -> MoE | None:
+    moe = _field(m, "moe")
+    if moe is None:
+        return None
+    if moe.get("scoring") != "softmax":
+        raise ConversionError(f"manifest model.moe.scoring={moe.get('scoring')!r}: expected 'softmax'")
+    shared = moe.get("shared_expert")
+    return MoE(experts=int(moe["num_experts"]), top_k=int(moe["num_experts_per_tok"]),
+               norm_topk=bool(moe["norm_topk_prob"]), layers=tuple(_flags(m, "moe.layers", n_layers)),
+               shared=shared is not None, shared_gate=bool(shared and shared["gate"]))
 
 
 def check_tensors(provider: WeightProvider) -> None:
@@ -171,79 +266,44 @@ def check_tensors(provider: WeightProvider) -> None:
                 raise ConversionError(f"tensor {name}: present but manifest model.{r.flag} is {value}")
 
 
-# ---------------------------------------------------------------- the arithmetic
-
-def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    """y = x · rsqrt(mean(x²) + eps) · w over the last axis, in x's precision (f32 for decode)."""
-    ms = np.mean(x * x, axis=-1, keepdims=True, dtype=x.dtype)
-    return (x / np.sqrt(ms + x.dtype.type(eps))) * w
-
-
-def silu(x: np.ndarray) -> np.ndarray:
-    return x / (x.dtype.type(1.0) + np.exp(-x))
-
-
-def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, layout: str) -> np.ndarray:
-    """Rotate the first 2·len(cos) dims of each head of x [heads, head_dim]; the rest pass."""
-    half = cos.shape[0]
-    rd = 2 * half
-    out = x.copy()
-    if layout == "half":  # dim i pairs with i + rd/2 (HF rotate_half)
-        a, b = x[:, :half], x[:, half:rd]
-        out[:, :half] = a * cos - b * sin
-        out[:, half:rd] = b * cos + a * sin
-    else:  # "interleaved": dim 2i pairs with 2i + 1
-        a, b = x[:, 0:rd:2], x[:, 1:rd:2]
-        out[:, 0:rd:2] = a * cos - b * sin
-        out[:, 1:rd:2] = b * cos + a * sin
-    return out
-
-
-def rope_tables(inv_freq: np.ndarray, pos: int, factor: float) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin (× attention_factor) of position `pos` for each rotation pair."""
-    angle = np.float32(pos) * inv_freq  # f32 product, as the HF reference computes it
-    cos = (np.cos(angle.astype(np.float64)) * factor).astype(np.float32)
-    sin = (np.sin(angle.astype(np.float64)) * factor).astype(np.float32)
-    return cos, sin
-
-
-def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
-    """GQA attention of one query q [H, d] over k, v [KV, n, d] (already windowed) → [H·d]."""
-    kv_heads, _, d = k.shape
-    qg = q.reshape(kv_heads, -1, d)  # query head h uses kv head h // (H / KV)
-    scores = np.einsum("gqd,gnd->gqn", qg, k).astype(np.float64) * scale
-    scores -= scores.max(axis=-1, keepdims=True)
-    p = np.exp(scores)
-    p /= p.sum(axis=-1, keepdims=True)
-    return np.einsum("gqn,gnd->gqd", p.astype(v.dtype), v).reshape(-1)
-
-
 # ---------------------------------------------------------------- weights, two ways
 
 class _Weights:
     """The decoder's view of the tensors: vectors, matrix products and embedding rows."""
 
-    def __init__(self, provider: WeightProvider, dtype: type):
-        self.p, self.dtype = provider, dtype
-
-    def has(self, name: str) -> bool:
-        return self.p.has(name)
+    def __init__(self, provider: WeightProvider, dtype: type, offset: float):
+        self.p, self.dtype, self.offset = provider, dtype, offset
 
     def vec(self, name: str) -> np.ndarray:
         return np.asarray(self.p.get(name), self.dtype)
+
+    def norm_weight(self, name: str) -> np.ndarray:
+        """A norm's weight as it multiplies: o + w (addendum: norm.weight_offset)."""
+        w = self.vec(name)
+        return w if self.offset == 0 else w + self.dtype(self.offset)
 
     def embed(self, tokens: list[int]) -> np.ndarray:
         return np.concatenate([np.asarray(self.p.rows("token_embd.weight", t, t + 1), self.dtype) for t in tokens])
 
     def linear(self, name: str, x: np.ndarray, bias: str | None = None) -> np.ndarray:
+        """x @ Wᵀ (+ bias) for W [out, in]."""
+        y = self._matmul(name, x, 0, self.p.shape(name)[0])
+        return y + self.vec(bias) if bias else y
+
+    def expert_linear(self, name: str, expert: int, x: np.ndarray) -> np.ndarray:
+        """x @ W[expert]ᵀ for an expert tensor W [E, out, in]."""
+        rows = self.p.shape(name)[1]
+        return self._matmul(name, x, expert * rows, (expert + 1) * rows)
+
+    def _matmul(self, name: str, x: np.ndarray, start: int, end: int) -> np.ndarray:
         raise NotImplementedError
 
 
 class _Resident(_Weights):
-    """Every tensor loaded once as float32: token-by-token decoding."""
+    """Every tensor loaded once as float32: decoding with a KV cache."""
 
-    def __init__(self, provider: WeightProvider):
-        super().__init__(provider, np.float32)
+    def __init__(self, provider: WeightProvider, offset: float):
+        super().__init__(provider, np.float32, offset)
         self._cache: dict[str, np.ndarray] = {}
 
     def vec(self, name: str) -> np.ndarray:
@@ -254,27 +314,25 @@ class _Resident(_Weights):
     def embed(self, tokens: list[int]) -> np.ndarray:
         return self.vec("token_embd.weight")[tokens]
 
-    def linear(self, name: str, x: np.ndarray, bias: str | None = None) -> np.ndarray:
-        y = x @ self.vec(name).T
-        return y + self.vec(bias) if bias else y
+    def _matmul(self, name: str, x: np.ndarray, start: int, end: int) -> np.ndarray:
+        w = self.vec(name)
+        return x @ (w.reshape(-1, w.shape[-1]) if w.ndim == 3 else w)[start:end].T
 
 
 class _Streamed(_Weights):
     """Every matrix read once, in row chunks of ~chunk_values values, then dropped: bounded memory."""
 
-    def __init__(self, provider: WeightProvider, dtype: type, chunk_values: int):
-        super().__init__(provider, dtype)
+    def __init__(self, provider: WeightProvider, dtype: type, offset: float, chunk_values: int):
+        super().__init__(provider, dtype, offset)
         self.chunk_values = chunk_values
 
-    def linear(self, name: str, x: np.ndarray, bias: str | None = None) -> np.ndarray:
-        """x @ W.T for W [out, in], W streamed in row chunks."""
-        out_rows = self.p.shape(name)[0]
+    def _matmul(self, name: str, x: np.ndarray, start: int, end: int) -> np.ndarray:
         step = max(1, self.chunk_values // x.shape[1])
-        y = np.empty((x.shape[0], out_rows), self.dtype)
-        for a in range(0, out_rows, step):
-            b = min(a + step, out_rows)
-            y[:, a:b] = x @ np.asarray(self.p.rows(name, a, b), self.dtype).T
-        return y + self.vec(bias) if bias else y
+        y = np.empty((x.shape[0], end - start), self.dtype)
+        for a in range(start, end, step):
+            b = min(a + step, end)
+            y[:, a - start:b - start] = x @ np.asarray(self.p.rows(name, a, b), self.dtype).T
+        return y
 
 
 # ---------------------------------------------------------------- one forward pass
@@ -283,7 +341,7 @@ class KVCache:
     """Per layer, the keys and values of every position so far ([kv_heads, capacity, head_dim])."""
 
     def __init__(self, arch: Arch, dtype: type):
-        self.arch, self.dtype, self.length = arch, dtype, 0
+        self.dtype, self.length = dtype, 0
         shape = (arch.n_kv, _INITIAL_CAPACITY, arch.head_dim)
         self.k = [np.zeros(shape, dtype) for _ in range(arch.n_layers)]
         self.v = [np.zeros(shape, dtype) for _ in range(arch.n_layers)]
@@ -300,44 +358,131 @@ class KVCache:
         self.v[layer][:, self.length:end] = v.transpose(1, 0, 2)
 
 
+def _tables(arch: Arch, w: _Weights, rope: Rope, positions: range) -> list:
+    """cos / sin per position: from the archive's table, or computed for this sequence length."""
+    if rope.table is not None:
+        inv_freq = w.vec(rope.table)
+    else:
+        inv_freq = np.asarray(runtime_inv_freq(rope.params, head_dim=arch.head_dim, max_position_embeddings=arch.max_pos,
+                                               seq_len=positions.stop), w.dtype)
+    return [nn.rope_tables(inv_freq, pos, rope.factor) for pos in positions]
+
+
 def forward(arch: Arch, w: _Weights, tokens: list[int], cache: KVCache) -> np.ndarray:
     """Logits [len(tokens), vocab] for `tokens` at positions cache.length …; the cache grows by them."""
-    start, n = cache.length, len(tokens)
-    positions = range(start, start + n)
-    inv_freq = w.vec("rope_freqs")
-    tables = [rope_tables(inv_freq, pos, arch.attention_factor) for pos in positions]
+    positions = range(cache.length, cache.length + len(tokens))
+    tables = {"global": _tables(arch, w, arch.rope, positions)}
+    if arch.rope_sliding is not None:
+        tables["sliding"] = _tables(arch, w, arch.rope_sliding, positions)
     x = w.embed(tokens)
+    if arch.emb_scale != 1:
+        x = x * w.dtype(arch.emb_scale)
     for li in range(arch.n_layers):
-        b = f"blk.{li}."
-        h = rms_norm(x, w.vec(b + "attn_norm.weight"), arch.eps)
-        x = x + _attention(arch, w, li, h, tables, cache)
-        h = rms_norm(x, w.vec(b + "ffn_norm.weight"), arch.eps)
-        x = x + w.linear(b + "ffn_down.weight", silu(w.linear(b + "ffn_gate.weight", h)) * w.linear(b + "ffn_up.weight", h))
-    cache.length += n
+        x = _layer(arch, w, li, x, tables, cache)
+    cache.length += len(tokens)
     head = "token_embd.weight" if arch.tied else "output.weight"
-    return w.linear(head, rms_norm(x, w.vec("output_norm.weight"), arch.eps))
+    logits = w.linear(head, _norm(arch, w, "output_norm", x))
+    if arch.logit_scale != 1:
+        logits = logits * w.dtype(arch.logit_scale)
+    return nn.softcap(logits, arch.logit_softcap)
 
 
-def _attention(arch: Arch, w: _Weights, li: int, h: np.ndarray, tables: list, cache: KVCache) -> np.ndarray:
+def _norm(arch: Arch, w: _Weights, name: str, x: np.ndarray, bias: bool = True) -> np.ndarray:
+    """Norm `name` (a block norm, output_norm, a post-norm with bias=False) of x."""
+    b = w.vec(name + ".bias") if bias and arch.norm_bias else None
+    return nn.norm(arch.norm_type, x, w.norm_weight(name + ".weight"), arch.eps, b)
+
+
+def _scaled(v: np.ndarray, r: float) -> np.ndarray:
+    return v if r == 1 else v * v.dtype.type(r)
+
+
+def _layer(arch: Arch, w: _Weights, li: int, x: np.ndarray, tables: dict, cache: KVCache) -> np.ndarray:
+    """One block: sequential or parallel, pre- and post-norms, residual scale (addendum §2)."""
+    b, r = f"blk.{li}.", arch.residual_scale
+    a_in = _norm(arch, w, b + "attn_norm", x) if arch.pre_norm else x
+    a = _attention(arch, w, li, a_in, tables, cache)
+    if arch.post_norm:
+        a = _norm(arch, w, b + "attn_post_norm", a, bias=False)
+    h = x + _scaled(a, r)
+    if arch.parallel:  # y = x + r·attn(n₁(x)) + r·mlp(n₂(x))
+        m_in = a_in if arch.shared_norm else (_norm(arch, w, b + "ffn_norm", x) if arch.pre_norm else x)
+    else:
+        m_in = _norm(arch, w, b + "ffn_norm", h) if arch.pre_norm else h
+    m = _ffn(arch, w, li, m_in)
+    if arch.post_norm:
+        m = _norm(arch, w, b + "ffn_post_norm", m, bias=False)
+    return h + _scaled(m, r)
+
+
+def _qk_norm(arch: Arch, w: _Weights, name: str, x: np.ndarray, heads: int) -> np.ndarray:
+    """q or k [n, heads·d] normalised per head (shared or per-head weights) or over the full width."""
+    weight = w.norm_weight(name)
+    n, d = x.shape[0], arch.head_dim
+    if arch.qk_full:
+        return nn.norm(arch.norm_type, x, weight, arch.eps).reshape(n, heads, d)
+    x = x.reshape(n, heads, d)
+    return nn.norm(arch.norm_type, x, weight.reshape(heads, d) if arch.qk_per_head else weight, arch.eps)
+
+
+def _attention(arch: Arch, w: _Weights, li: int, h: np.ndarray, tables: dict, cache: KVCache) -> np.ndarray:
     """Self-attention of positions cache.length … over the cache and themselves; appends their k, v."""
     b, n, hd = f"blk.{li}.", h.shape[0], arch.head_dim
     bias = arch.qkv_bias
-    q = w.linear(b + "attn_q.weight", h, b + "attn_q.bias" if bias else None).reshape(n, arch.n_heads, hd)
-    k = w.linear(b + "attn_k.weight", h, b + "attn_k.bias" if bias else None).reshape(n, arch.n_kv, hd)
+    q = w.linear(b + "attn_q.weight", h, b + "attn_q.bias" if bias else None)
+    k = w.linear(b + "attn_k.weight", h, b + "attn_k.bias" if bias else None)
     v = w.linear(b + "attn_v.weight", h, b + "attn_v.bias" if bias else None).reshape(n, arch.n_kv, hd)
     if arch.qk_norm:
-        q = rms_norm(q, w.vec(b + "attn_q_norm.weight"), arch.eps)
-        k = rms_norm(k, w.vec(b + "attn_k_norm.weight"), arch.eps)
-    q = np.stack([apply_rope(q[i], *tables[i], arch.layout) for i in range(n)])
-    k = np.stack([apply_rope(k[i], *tables[i], arch.layout) for i in range(n)])
-    cache.append(li, k, v)
+        q = _qk_norm(arch, w, b + "attn_q_norm.weight", q, arch.n_heads)
+        k = _qk_norm(arch, w, b + "attn_k_norm.weight", k, arch.n_kv)
+    else:
+        q, k = q.reshape(n, arch.n_heads, hd), k.reshape(n, arch.n_kv, hd)
     window = arch.windows[li]
+    if arch.rope_layers[li]:
+        kind = "sliding" if window is not None and "sliding" in tables else "global"
+        q = np.stack([nn.apply_rope(q[i], *tables[kind][i], arch.layout) for i in range(n)])
+        k = np.stack([nn.apply_rope(k[i], *tables[kind][i], arch.layout) for i in range(n)])
+    cache.append(li, k, v)
     mixed = np.empty((n, arch.n_heads * hd), q.dtype)
     for i in range(n):
         end = cache.length + i + 1
         first = 0 if window is None else max(0, end - window)  # i − w < j ≤ i
-        mixed[i] = attend(q[i], cache.k[li][:, first:end], cache.v[li][:, first:end], arch.scale)
+        mixed[i] = nn.attend(q[i], cache.k[li][:, first:end], cache.v[li][:, first:end], arch.scale, arch.softcap)
     return w.linear(b + "attn_output.weight", mixed, b + "attn_output.bias" if arch.o_bias else None)
+
+
+def _ffn(arch: Arch, w: _Weights, li: int, x: np.ndarray) -> np.ndarray:
+    if arch.moe is not None and arch.moe.layers[li]:
+        return _moe_ffn(arch, w, li, x)
+    b, act = f"blk.{li}.", nn.ACTIVATIONS[arch.act]
+    bias = (lambda name: b + name) if arch.mlp_bias else (lambda name: None)
+    if arch.gated:
+        hidden = act(w.linear(b + "ffn_gate.weight", x, bias("ffn_gate.bias"))) * \
+            w.linear(b + "ffn_up.weight", x, bias("ffn_up.bias"))
+    else:
+        hidden = act(w.linear(b + "ffn_up.weight", x, bias("ffn_up.bias")))
+    return w.linear(b + "ffn_down.weight", hidden, bias("ffn_down.bias"))
+
+
+def _moe_ffn(arch: Arch, w: _Weights, li: int, x: np.ndarray) -> np.ndarray:
+    """Σ pᵢ · expertᵢ(x) over each token's top-k experts, plus the (gated) shared expert (addendum §3)."""
+    b, moe, act = f"blk.{li}.", arch.moe, nn.ACTIVATIONS[arch.act]
+    router = w.linear(b + "ffn_gate_inp.weight", x)
+    picks = [nn.route(router[t], moe.top_k, moe.norm_topk) for t in range(x.shape[0])]
+    out = np.zeros_like(x)
+    for e in sorted({int(i) for ids, _ in picks for i in ids}):
+        tokens = [t for t, (ids, _) in enumerate(picks) if e in ids]
+        weights = np.array([picks[t][1][list(picks[t][0]).index(e)] for t in tokens], x.dtype)[:, None]
+        xs = x[tokens]
+        hidden = act(w.expert_linear(b + "ffn_gate_exps.weight", e, xs)) * w.expert_linear(b + "ffn_up_exps.weight", e, xs)
+        out[tokens] += w.expert_linear(b + "ffn_down_exps.weight", e, hidden) * weights
+    if moe.shared:
+        hidden = act(w.linear(b + "ffn_gate_shexp.weight", x)) * w.linear(b + "ffn_up_shexp.weight", x)
+        shared = w.linear(b + "ffn_down_shexp.weight", hidden)
+        if moe.shared_gate:
+            shared = shared * nn.sigmoid(w.linear(b + "ffn_gate_inp_shexp.weight", x))
+        out = out + shared
+    return out
 
 
 # ---------------------------------------------------------------- the two entry points
@@ -349,7 +494,7 @@ class Decoder:
         self.model = provider.model
         self.arch = Arch.from_model(provider.model)
         check_tensors(provider)
-        self._w = _Resident(provider)
+        self._w = _Resident(provider, self.arch.norm_offset)
         for name in spec.tensor_names(provider.model):  # load (and upcast) everything once, up front
             self._w.vec(name)
         self.vocab = self.arch.vocab
@@ -365,17 +510,21 @@ class Decoder:
 
     def step(self, token_id: int) -> np.ndarray:
         """Feed one token at the next position; return f32 logits [vocab] for the position after."""
-        if not 0 <= token_id < self.vocab:
-            raise UsageError(f"token id {token_id}: outside the vocabulary [0, {self.vocab})")
-        return forward(self.arch, self._w, [token_id], self._cache)[0].astype(np.float32)
+        return self.extend([token_id])[0]
+
+    def extend(self, tokens: list[int]) -> np.ndarray:
+        """Feed tokens at the next positions in one pass; f32 logits [len(tokens), vocab]."""
+        for t in tokens:
+            if not 0 <= t < self.vocab:
+                raise UsageError(f"token id {t}: outside the vocabulary [0, {self.vocab})")
+        return forward(self.arch, self._w, list(tokens), self._cache).astype(np.float32)
 
     def logits_for(self, tokens: list[int]) -> np.ndarray:
-        """Reset, then step through tokens; logits [len(tokens), vocab] (row t predicts t + 1)."""
+        """Reset, then run `tokens` in one pass; logits [len(tokens), vocab] (row t predicts t + 1).
+        One pass, as transformers runs a whole sequence: a sequence-dependent RoPE (dynamic,
+        longrope) then uses the same table for every position."""
         self.reset()
-        out = np.empty((len(tokens), self.vocab), np.float32)
-        for t, tok in enumerate(tokens):
-            out[t] = self.step(tok)
-        return out
+        return self.extend(tokens)
 
     def generate(self, prompt: list[int], max_new_tokens: int, eos: set[int] | None = None) -> Iterator[int]:
         """Greedy decoding from a fresh cache; yields each new token, stopping after an eos token.
@@ -411,5 +560,4 @@ def prefill_logits(provider: WeightProvider, tokens: list[int], chunk_values: in
     few chunks whatever the model size. The converter computes its probe this way in float64
     (`dtype`), so that the stored float32 logits do not depend on the host's BLAS kernels."""
     arch = Arch.from_model(provider.model)
-    return forward(arch, _Streamed(provider, dtype, chunk_values), list(tokens), KVCache(arch, dtype))
-
+    return forward(arch, _Streamed(provider, dtype, arch.norm_offset, chunk_values), list(tokens), KVCache(arch, dtype))

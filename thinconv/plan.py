@@ -242,7 +242,7 @@ def _check_shape_and_dtype(ckpt: Checkpoint, model: dict, canonical: str, source
     else:
         got = [sum(s[0] for s in shapes), *want[1:]]
     if got != want:
-        why = spec.ROLE[role].dims.format(**model)
+        why = spec.dims_text(model, role)
         report.shape_errors.append(f"tensor {', '.join(sources)} ({canonical}) has shape {got}, but config.json "
                                    f"implies {want} ({why})")
     codes = {e.dtype for e in entries}

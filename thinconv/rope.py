@@ -54,6 +54,36 @@ def rope_inv_freq(
     return inv.astype(np.float32)
 
 
+def runtime_inv_freq(rope: Mapping[str, Any], *, head_dim: int, max_position_embeddings: int,
+                     seq_len: int) -> np.ndarray:
+    """The inverse frequencies a forward pass over positions [0, seq_len) uses, float32 — for the
+    scalings whose table depends on the sequence length (transformers' `dynamic_rope_update`):
+
+    * dynamic (NTK): theta · ((factor · L / max_pos) − (factor − 1))^(d / (d − 2)) with
+      L = max(seq_len, max_position_embeddings), then the default table;
+    * longrope: 1 / (ext_i · theta^(2i/d)), ext = long_factor when seq_len >
+      original_max_position_embeddings, else short_factor.
+    Static scalings return their fixed table (`rope_inv_freq`)."""
+    scaling = rope.get("scaling")
+    kind = scaling_type(scaling)
+    if kind not in DYNAMIC_SCALING_TYPES:
+        return rope_inv_freq(rope, head_dim=head_dim, max_position_embeddings=max_position_embeddings)
+    theta, dim = _number(rope, "theta", "rope"), int(rope["rotary_dim"])
+    if kind == "dynamic":
+        if dim <= 2:
+            raise ConversionError(f"rope: dynamic scaling needs rotary_dim > 2, got {dim}")
+        factor = _number(scaling, "factor", _WHERE)
+        length = max(seq_len, max_position_embeddings)
+        base = theta * ((factor * length / max_position_embeddings) - (factor - 1)) ** (dim / (dim - 2))
+        return (1.0 / base ** _exponents(dim)).astype(np.float32)
+    original = _original_max(scaling, max_position_embeddings)
+    ext = scaling.get("long_factor" if seq_len > original else "short_factor")
+    if not isinstance(ext, list) or len(ext) != dim // 2:
+        raise ConversionError(f"{_WHERE}: longrope factors must list rotary_dim/2 = {dim // 2} numbers")
+    ext32 = np.asarray(ext, np.float32).astype(np.float64)
+    return (1.0 / (ext32 * theta ** _exponents(dim))).astype(np.float32)
+
+
 def model_rope_freqs(model: Mapping[str, Any]) -> np.ndarray | None:
     """`rope_inv_freq` for a manifest `model` object: the table its `rope_freqs` tensor holds."""
     return rope_inv_freq(model["rope"], head_dim=model["head_dim"],

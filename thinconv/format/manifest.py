@@ -197,7 +197,7 @@ def _check_object(c: _Checker, model: dict, node: dict, parent: str, where: str)
 def _check_key(c: _Checker, model: dict, key: schema.Key, v: Any, path: str) -> None:
     before = len(c.r.errors)
     if key.type == "object":
-        if c.obj(v, path):
+        if not (v is None and key.nullable) and c.obj(v, path):
             _check_object(c, model, v, key.path, path)
     elif key.type == "str":
         c.str(v, path, key.choices or None, null=key.nullable)
@@ -207,7 +207,7 @@ def _check_key(c: _Checker, model: dict, key: schema.Key, v: Any, path: str) -> 
         c.num(v, path, positive=key.positive, null=key.nullable)
     elif key.type == "bool":
         c.bool(v, path)
-    elif key.type == "layers":
+    elif key.type in ("layers", "layer_flags"):
         _check_layers(c, model, key, v, path)
     elif key.type in ("token", "tokens"):
         vocab = model.get("vocab_size") if _is_int(model.get("vocab_size")) else None
@@ -252,22 +252,66 @@ def _check_scaling(c: _Checker, sc: Any, path: str) -> None:
 
 def _check_model_rules(c: _Checker, m: dict) -> None:
     """Rules between keys (each checked only when the keys it reads are themselves valid)."""
-    heads, kv, head_dim = m.get("num_attention_heads"), m.get("num_kv_heads"), m.get("head_dim")
+    for rule in (_dims_rules, _rope_rules, _window_rules, _variant_rules, _moe_rules):
+        rule(c, m)
+
+
+def _obj(m: dict, key: str) -> dict:
+    return m.get(key) if isinstance(m.get(key), dict) else {}
+
+
+def _dims_rules(c: _Checker, m: dict) -> None:
+    heads, kv = m.get("num_attention_heads"), m.get("num_kv_heads")
     if _is_int(heads) and _is_int(kv) and heads >= 1 and kv >= 1 and heads % kv:
         c.r.add("model.num_kv_heads", f"{kv} does not divide num_attention_heads {heads}")
-    rope = m.get("rope") if isinstance(m.get("rope"), dict) else {}
-    rd = rope.get("rotary_dim")
+
+
+def _rope_rules(c: _Checker, m: dict) -> None:
+    rd, head_dim = _obj(m, "rope").get("rotary_dim"), m.get("head_dim")
     if _is_int(rd) and rd >= 2:
         if rd % 2:
             c.r.add("model.rope.rotary_dim", f"must be even, got {rd}")
         if _is_int(head_dim) and head_dim >= 1 and rd > head_dim:
             c.r.add("model.rope.rotary_dim", f"{rd} exceeds head_dim {head_dim}")
-    att = m.get("attention") if isinstance(m.get("attention"), dict) else {}
+    types = _obj(m, "attention").get("layer_types")
+    if isinstance(_obj(m, "rope").get("sliding"), dict) and isinstance(types, list) and "sliding" not in types:
+        c.r.add("model.rope.sliding", "no layer is 'sliding' (omit it)")
+
+
+def _window_rules(c: _Checker, m: dict) -> None:
+    att = _obj(m, "attention")
     window, types = att.get("sliding_window"), att.get("layer_types")
     if window is None and "sliding_window" in att and isinstance(types, list):
         for i, t in enumerate(types):
             if t == "sliding":
                 c.r.add(f"model.attention.layer_types[{i}]", "is 'sliding' but sliding_window is null")
+
+
+def _variant_rules(c: _Checker, m: dict) -> None:
+    """Keys that only mean something next to another key's value."""
+    norm, block, att = _obj(m, "norm"), _obj(m, "block"), _obj(m, "attention")
+    if norm.get("bias") is True and norm.get("type") != "layernorm":
+        c.r.add("model.norm.bias", "norm biases need norm.type 'layernorm'")
+    if block.get("shared_norm") is True:
+        if block.get("residual") != "parallel":
+            c.r.add("model.block.shared_norm", "needs block.residual 'parallel'")
+        if block.get("pre_norm") is False:
+            c.r.add("model.block.shared_norm", "a shared norm needs block.pre_norm (there is no norm to share)")
+    for key in ("qk_norm_weights", "qk_norm_scope"):
+        if key in att and att.get("qk_norm") is False:
+            c.r.add(f"model.attention.{key}", "needs attention.qk_norm true")
+    if att.get("qk_norm_weights") == "per_head" and att.get("qk_norm_scope") == "full":
+        c.r.add("model.attention.qk_norm_weights", "per_head weights and a full-width scope exclude each other")
+
+
+def _moe_rules(c: _Checker, m: dict) -> None:
+    moe = _obj(m, "moe")
+    e, k = moe.get("num_experts"), moe.get("num_experts_per_tok")
+    if _is_int(e) and _is_int(k) and e >= 1 and k > e:
+        c.r.add("model.moe.num_experts_per_tok", f"{k} exceeds num_experts {e}")
+    layers = moe.get("layers")
+    if isinstance(layers, list) and layers and not any(x is True for x in layers):
+        c.r.add("model.moe.layers", "no layer is sparse (omit moe)")
 
 
 def _check_tensor(c: _Checker, t: Any, path: str, model: dict | None) -> None:
@@ -295,12 +339,14 @@ def _check_tensor(c: _Checker, t: Any, path: str, model: dict | None) -> None:
     shape = t.get("shape")
     shape_ok = c.list(shape, f"{path}.shape") and _shape_ok(shape)
     if isinstance(shape, list) and not shape_ok:
-        c.r.add(f"{path}.shape", f"expected 1 or 2 positive integers, got {_short(shape)}")
+        c.r.add(f"{path}.shape", f"expected 1 to 3 positive integers, got {_short(shape)}")
     dtype = t.get("dtype")
     dtype_ok = c.str(dtype, f"{path}.dtype", dtypes.ARCHIVE_DTYPES)
     if shape_ok and dtype_ok:
         if len(shape) == 1 and dtype != "f32":
             c.r.add(f"{path}.dtype", f"1-D tensors are f32, got {dtype!r}")
+        elif role in spec.ROLE and spec.ROLE[role].f32 and dtype != "f32":
+            c.r.add(f"{path}.dtype", f"{role} (a router) is f32, got {dtype!r}")
         if dtypes.is_block(dtype) and shape[-1] % dtypes.BLOCK_SIZE:
             c.r.add(f"{path}.dtype", f"{dtype} needs cols % 32 == 0, got {shape[-1]} cols")
         if model is not None and role in spec.ROLES:
@@ -332,7 +378,7 @@ def _check_tensor(c: _Checker, t: Any, path: str, model: dict | None) -> None:
 
 
 def _shape_ok(shape: Any) -> bool:
-    return isinstance(shape, list) and 1 <= len(shape) <= 2 and all(_is_int(d) and d >= 1 for d in shape)
+    return isinstance(shape, list) and 1 <= len(shape) <= 3 and all(_is_int(d) and d >= 1 for d in shape)
 
 
 def _check_asset(c: _Checker, a: Any, path: str) -> None:
@@ -409,8 +455,10 @@ def _check_pages(c: _Checker, m: dict) -> None:
         c.r.add("pages", "an archive has at least one page")
     for t in tensors:
         shape, name = t.get("shape"), t.get("name")
-        if isinstance(name, str) and name in row_cursor and isinstance(shape, list) and shape and _is_int(shape[0]) and row_cursor[name] != shape[0]:
-            c.r.add(f"tensor {name}", f"pages cover rows [0, {row_cursor[name]}), expected [0, {shape[0]})")
+        if isinstance(name, str) and name in row_cursor and _shape_ok(shape) and \
+                row_cursor[name] != spec.rows_and_cols(shape)[0]:
+            c.r.add(f"tensor {name}", f"pages cover rows [0, {row_cursor[name]}), "
+                                      f"expected [0, {spec.rows_and_cols(shape)[0]})")
     for a in assets:
         if isinstance(a.get("name"), str) and (a["name"] in asset_bytes or a.get("pages") == []):
             got = asset_bytes.get(a.get("name"), 0)
@@ -436,10 +484,13 @@ def _check_tensor_page(c: _Checker, pg: dict, path: str, t: dict, row_cursor: di
     # An invalid shape or dtype is reported with the tensor; sizes cannot be derived from it.
     if not _shape_ok(shape) or dtype not in dtypes.ARCHIVE_DTYPES:
         return
-    if end > shape[0]:
-        c.r.add(f"{path}.rows", f"end {end} is past dim 0 = {shape[0]} of {name!r}")
+    n_rows, cols = spec.rows_and_cols(shape)
+    if end > n_rows:
+        c.r.add(f"{path}.rows", f"end {end} is past dim 0 = {n_rows} of {name!r}")
         return
-    cols = shape[1] if len(shape) == 2 else 1
+    if len(shape) == 3 and start // shape[1] != (end - 1) // shape[1]:
+        c.r.add(f"{path}.rows", f"{rows} straddles experts {start // shape[1]} and {(end - 1) // shape[1]} "
+                                f"({shape[1]} rows each): a page never holds rows of two experts")
     if dtypes.is_block(dtype) and cols % dtypes.BLOCK_SIZE:
         return
     want = (end - start) * dtypes.row_bytes(dtype, cols)
