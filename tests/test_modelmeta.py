@@ -209,7 +209,6 @@ SYNTHETIC = {
     "mistral window default": ("mistral", dict()),
     "mistral window null": ("mistral", dict(sliding_window=None)),
     "mistral layer_types ignored": ("mistral", dict(sliding_window=64, layer_types=["full_attention"] * 4)),
-    "llama window ignored": ("llama", dict(sliding_window=64, use_sliding_window=True)),
     "llama kv null": ("llama", dict(num_key_value_heads=None)),
     "llama kv absent": ("llama", dict(num_key_value_heads=_DROP)),
     "llama tie absent": ("llama", dict()),
@@ -236,6 +235,19 @@ def test_synthetic_config_agrees_with_transformers(case: str) -> None:
     family, overrides = SYNTHETIC[case]
     config = _tiny(family, **overrides)
     assert _ours(_read(config)) == _transformers_view(config)
+
+
+def test_keys_the_family_does_not_know_are_refused_unless_allowed() -> None:
+    """LlamaConfig has no sliding window: transformers ignores the keys, but the converter cannot know
+    the model was not meant to use them, so it asks; allowed, they are ignored as transformers does."""
+    config = _tiny("llama", sliding_window=64, use_sliding_window=True)
+    with pytest.raises(ConversionError, match=r"'sliding_window' = 64, 'use_sliding_window' = True: not understood by "
+                                              r"recipe llama .* --allow-config-key sliding_window"):
+        _read(config)
+    allowed = _read(config, allowed_keys=("sliding_window", "use_sliding_window"))
+    assert _ours(allowed) == _transformers_view(config)
+    assert allowed["attention"]["sliding_window"] is None
+    assert _read(_tiny("llama", sliding_window=None, use_sliding_window=False))  # "off" values need no recipe
 
 
 def test_synthetic_sliding_values() -> None:
@@ -287,6 +299,13 @@ def test_rope_layout_and_biases() -> None:
     assert qwen3["head_dim"] == 128 and qwen3["attention"]["scale"] == 128**-0.5
 
 
+def test_activation_and_mlp_bias_as_transformers_reads_them() -> None:
+    """LlamaMLP runs ACT2FN[hidden_act] and puts biases on gate/up/down with mlp_bias: the archive says so."""
+    model = _read(_tiny("llama", hidden_act="gelu", mlp_bias=True))
+    assert model["mlp"] == {"type": "gated", "activation": "gelu", "bias": True}
+    assert _read(_tiny("llama", hidden_act="gelu_pytorch_tanh"))["mlp"] == {"type": "gated", "activation": "gelu_tanh"}
+
+
 def test_eos_union_is_ordered_and_deduplicated() -> None:
     config = _tiny("llama", eos_token_id=[5, 7, 5], bos_token_id=None, pad_token_id=None)
     generation = {"eos_token_id": [7, 9, 5, 11], "bos_token_id": 1, "pad_token_id": 3}
@@ -310,8 +329,9 @@ ERRORS = {
                         "config.json: num_attention_heads 4 is not divisible by num_key_value_heads 3"),
     "hidden not dividing": (dict(hidden_size=66),
                             "hidden_size 66 is not divisible by num_attention_heads 4 and there is no 'head_dim'"),
-    "activation": (dict(hidden_act="gelu"), "config.json: field 'hidden_act' must be 'silu' (gated SiLU MLP), got 'gelu'"),
-    "mlp bias": (dict(mlp_bias=True), "config.json: field 'mlp_bias' is true; MLP biases are not supported"),
+    "activation": (dict(hidden_act="relu"), "config.json: field 'hidden_act' is 'relu', an activation mlp.activation "
+                                            "cannot say (gelu, gelu_fast, gelu_new, gelu_pytorch_tanh, silu, swish)"),
+    "mlp bias type": (dict(mlp_bias="yes"), "config.json: field 'mlp_bias' must be true or false, got 'yes'"),
     "eps": (dict(rms_norm_eps="small"), "config.json: field 'rms_norm_eps' must be a positive number, got 'small'"),
     "tie": (dict(tie_word_embeddings="yes"), "config.json: field 'tie_word_embeddings' must be true or false, got 'yes'"),
     "architectures": (dict(architectures=[]), "config.json: field 'architectures' must be a non-empty list of names"),

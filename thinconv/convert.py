@@ -33,7 +33,8 @@ from thinconv.format.writer import (
     head_bytes, move_data, page_offsets, plan_layout, pwrite_all, start_writeback, write_atomically,
 )
 from thinconv.pages import PageMaker, PageOutput, RunningStats
-from thinconv.plan import AssetPlan, ConvertOptions, Plan, TensorPlan, plan_conversion, tied_head_problem
+from thinconv.mapping import tied_head_problem
+from thinconv.plan import AssetPlan, ConvertOptions, Plan, TensorPlan, plan_conversion
 from thinconv.probe import PROBE_TOKENS, PROBE_TOP_K, conversion_probe, default_tokens
 from thinconv.recipe import Registry, Recipe, load_registry
 

@@ -14,8 +14,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from thinconv import family as fam
 from thinconv.errors import ConversionError, RecipeError, UsageError
 from thinconv.format import schema
+from thinconv.format.manifest import validate_model
 
 _CONFIG = "config.json"
 _GENERATION = "generation_config.json"
@@ -65,6 +67,7 @@ class MetadataRules:
     qkv_bias: bool | str = False  # a bool, or the name of a boolean config key (e.g. "attention_bias")
     o_bias: bool | str = False
     qk_norm: bool = False
+    rope_per_layer_type: bool = False  # rope_parameters may be {"full_attention": {…}, "sliding_attention": {…}}
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -94,19 +97,33 @@ def _check_rule(name: str, value: Any, where: str) -> None:
     elif name in ("qkv_bias", "o_bias"):
         if not isinstance(value, bool) and not (isinstance(value, str) and value):
             raise RecipeError(f"{where}: {name!r} must be a boolean or a config key name, got {value!r}")
-    elif name == "qk_norm" and not isinstance(value, bool):
-        raise RecipeError(f"{where}: 'qk_norm' must be a boolean, got {value!r}")
+    elif name in ("qk_norm", "rope_per_layer_type") and not isinstance(value, bool):
+        raise RecipeError(f"{where}: {name!r} must be a boolean, got {value!r}")
 
 
-def read_model_metadata(
+def read_model_metadata(config: dict, generation_config: dict | None, **kwargs: Any) -> dict:
+    """The manifest `model` object (spec §2.1 and the addendum), read the way transformers 5 reads
+    the config; any config key nothing accounts for is a ConversionError (see `read_model`)."""
+    return read_model(config, generation_config, **kwargs)[0]
+
+
+def read_model(
     config: dict,
     generation_config: dict | None,
     *,
     architecture: str,
     rules: MetadataRules,
     rope_layout: str = "half",
-) -> dict:
-    """The manifest `model` object (spec §2.1), read the way transformers 5 reads the config."""
+    family: fam.FamilyRules = fam.FamilyRules(),
+    weights_dtype: str = "bf16",
+    allowed_keys: tuple[str, ...] = (),
+    check_keys: bool = True,
+    consumed: tuple[str, ...] = (),
+) -> tuple[dict, list[str]]:
+    """(the `model` object, the config keys nothing accounts for): the Llama reading below, refined
+    by the recipe's `[model]` expressions (`family`), then every config key accounted for
+    (`thinconv.family`; with `check_keys`, unaccounted keys raise). `weights_dtype` is the
+    checkpoint's weight dtype (expressions see it as `dtype`)."""
     if not isinstance(config, Mapping):
         raise ConversionError(f"{_CONFIG}: must be a JSON object")
     if generation_config is not None and not isinstance(generation_config, Mapping):
@@ -115,7 +132,51 @@ def read_model_metadata(
         raise RecipeError(f"recipe: architecture must be a non-empty string, got {architecture!r}")
     if rope_layout not in _ROPE_LAYOUTS:
         raise UsageError(f"rope layout must be one of {', '.join(_ROPE_LAYOUTS)}, got {rope_layout!r}")
+    seen = fam.RecordingConfig(config)
+    seen.read.update(consumed)  # keys the caller reads itself (e.g. quantization_config)
+    model = _base_model(seen, generation_config, architecture=architecture, rules=rules, rope_layout=rope_layout)
+    model = fam.apply(model, seen, family, recipe=architecture, weights_dtype=weights_dtype)
+    model = schema.canonical_model(_normalized(model))
+    problems = validate_model(model).lines()
+    if problems:
+        raise ConversionError(f"recipe {architecture}: the model section it computes is invalid: "
+                              + "; ".join(problems[:3]) + (f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""))
+    if check_keys:
+        problem = config_keys_problem(config, fam.unaccounted_keys(seen, family, allowed_keys), architecture)
+        if problem:
+            raise ConversionError(problem)
+    return model, fam.unaccounted_keys(seen, family, allowed_keys)
 
+
+def config_keys_problem(config: Mapping[str, Any], keys: list[str], recipe: str) -> str | None:
+    """The one-line refusal for config keys nothing accounts for (None when there are none)."""
+    if not keys:
+        return None
+    shown = ", ".join(f"{k!r} = {fam._short(config[k])}" for k in keys[:3])
+    more = f" (and {len(keys) - 3} more)" if len(keys) > 3 else ""
+    return (f"config.json: {shown}{more}: not understood by recipe {recipe} and may change the computation; use a "
+            f"recipe that handles {'it' if len(keys) == 1 else 'them'}, or pass --allow-config-key {keys[0]} to take "
+            f"responsibility")
+
+
+def _normalized(model: dict) -> dict:
+    """Generic rules applied after the recipe's expressions: a window no layer uses is null, and a
+    mixture of experts with no sparse layer is no mixture."""
+    att = model["attention"]
+    if att.get("sliding_window") is None or "sliding" not in att.get("layer_types", []):
+        if att.get("sliding_window") is None and "sliding" in att.get("layer_types", []):
+            raise ConversionError("config.json: layer_types names sliding layers but sliding_window is null "
+                                  "(transformers refuses this config too)")
+        att["sliding_window"], att["layer_types"] = None, ["full"] * model["num_layers"]
+    moe = model.get("moe")
+    if isinstance(moe, dict) and isinstance(moe.get("layers"), list) and not any(moe["layers"]):
+        model["moe"] = None
+    return model
+
+
+def _base_model(config: Mapping, generation_config: dict | None, *, architecture: str, rules: MetadataRules,
+                rope_layout: str) -> dict:
+    """The Llama reading of config.json (with the family's [metadata] rules)."""
     architectures = config.get("architectures")
     if not isinstance(architectures, list) or not architectures or not isinstance(architectures[0], str):
         raise ConversionError(
@@ -137,16 +198,16 @@ def read_model_metadata(
     head_dim = _head_dim(config, hidden, heads, rules)
 
     hidden_act = config.get("hidden_act", "silu")
-    if hidden_act != "silu":
-        raise ConversionError(f"{_CONFIG}: field 'hidden_act' must be 'silu' (gated SiLU MLP), got {hidden_act!r}")
-    if _bool(config, "mlp_bias", False):
-        raise ConversionError(f"{_CONFIG}: field 'mlp_bias' is true; MLP biases are not supported")
+    if hidden_act not in fam.ACTIVATIONS:
+        raise ConversionError(f"{_CONFIG}: field 'hidden_act' is {hidden_act!r}, an activation mlp.activation cannot "
+                              f"say ({', '.join(sorted(fam.ACTIVATIONS))})")
     eps = _positive_number(config, "rms_norm_eps", 1e-6)
 
-    rope = _rope(config, head_dim=head_dim, max_pos=max_pos, layout=rope_layout)
+    rope, rope_sliding = _rope_per_layer_type(config, head_dim=head_dim, max_pos=max_pos, layout=rope_layout,
+                                              nested=rules.rope_per_layer_type)
     sliding_window, layer_types = _sliding(config, layers, rules.sliding_window)
 
-    return schema.canonical_model({
+    return {
         "architecture": architecture,
         "source_architecture": architectures[0],
         "hidden_size": hidden,
@@ -159,7 +220,7 @@ def read_model_metadata(
         "max_position_embeddings": max_pos,
         "tie_word_embeddings": _bool(config, "tie_word_embeddings", False),
         "norm": {"type": "rmsnorm", "eps": eps},
-        "mlp": {"type": "gated", "activation": "silu"},
+        "mlp": {"type": "gated", "activation": fam.ACTIVATIONS[hidden_act], "bias": _bool(config, "mlp_bias", False)},
         "attention": {
             "qkv_bias": _flag(config, rules.qkv_bias),
             "o_bias": _flag(config, rules.o_bias),
@@ -168,9 +229,9 @@ def read_model_metadata(
             "layer_types": layer_types,
             "scale": float(head_dim**-0.5),
         },
-        "rope": rope,
+        "rope": {**rope, "sliding": rope_sliding},
         "special_tokens": _special_tokens(config, generation_config or {}, vocab),
-    })
+    }
 
 
 def _head_dim(config: Mapping[str, Any], hidden: int, heads: int, rules: MetadataRules) -> int:
@@ -186,10 +247,32 @@ def _head_dim(config: Mapping[str, Any], hidden: int, heads: int, rules: Metadat
     return hidden // heads
 
 
+def _rope_per_layer_type(config: Mapping[str, Any], *, head_dim: int, max_pos: int, layout: str,
+                         nested: bool) -> tuple[dict, dict | None]:
+    """(rope, rope.sliding): a flat rope_parameters gives one RoPE; transformers 5's per-layer-type
+    form {"full_attention": {…}, "sliding_attention": {…}} (families that allow it) gives both."""
+    params = config.get("rope_parameters")
+    if not nested or config.get("rope_scaling") or not isinstance(params, Mapping) or \
+            not any(isinstance(v, Mapping) for v in params.values()):
+        return _rope(config, head_dim=head_dim, max_pos=max_pos, layout=layout), None
+    unknown = sorted(set(params) - set(fam.LAYER_TYPES))
+    if unknown:
+        raise ConversionError(f"{_CONFIG}: rope_parameters: unknown layer type {unknown[0]!r}")
+    ropes = {}
+    for kind in ("full_attention", "sliding_attention"):
+        sub = {**config, "rope_parameters": params.get(kind) or {}}
+        sub.pop("rope_scaling", None)
+        ropes[kind] = _rope(sub, head_dim=head_dim, max_pos=max_pos, layout=layout)
+    s = ropes["sliding_attention"]
+    return ropes["full_attention"], {"theta": s["theta"], "scaling": s["scaling"], "attention_factor": s["attention_factor"]}
+
+
 def _rope(config: Mapping[str, Any], *, head_dim: int, max_pos: int, layout: str) -> dict:
     """The `rope` object. Mirrors RotaryEmbeddingConfigMixin: legacy `rope_scaling` wins over
     `rope_parameters`; `rope_theta` inside the parameters wins over the top-level key."""
     source_key = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
+    for key in ("rope_parameters", "rope_theta", "partial_rotary_factor"):
+        config.get(key)  # transformers folds these together; whichever wins below, all are accounted for
     params = config.get(source_key) or {}
     if not isinstance(params, Mapping):
         raise ConversionError(f"{_CONFIG}: field {source_key!r} must be an object or null, got {params!r}")
@@ -279,13 +362,17 @@ def _sliding(config: Mapping[str, Any], layers: int, rule: str) -> tuple[int | N
     if rule == "always":
         # MistralConfig: the window (default 4096) applies to every layer; layer_types is ignored.
         window = _window(config)
+        config.get("layer_types")  # accounted for: ignored, as transformers ignores it
         kinds = ["sliding"] * layers
     elif rule == "use_sliding_window":
         # Qwen2Config / Qwen3Config: no window unless use_sliding_window; then layer_types, or
         # every layer from max_window_layers on.
         if _bool(config, "use_sliding_window", False):
             window = _window(config)
+        else:
+            config.get("sliding_window")  # read (and nulled), as Qwen2Config does without use_sliding_window
         explicit = config.get("layer_types")
+        config.get("max_window_layers")  # accounted for: only used when layer_types is absent
         if explicit is not None:
             kinds = _layer_types(explicit, layers)
         else:

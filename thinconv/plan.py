@@ -1,17 +1,17 @@
-"""Planning: from a checkpoint and a recipe to every tensor, dtype, shape and page — before any
-tensor data is read. `map_checkpoint` is also what `thinconv recipe check` reports."""
+"""Planning: from a checkpoint and a recipe (mapped by `thinconv.mapping`) to every tensor, dtype,
+shape and page — before any tensor data is read."""
 
 from __future__ import annotations
 
 import fnmatch
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from thinconv.checkpoint.source import Checkpoint, SourceFile
 from thinconv.errors import ConversionError, UsageError
 from thinconv.format import dtypes, schema, spec
 from thinconv.format.writer import split_bytes, split_rows
-from thinconv.modelmeta import read_model_metadata
+from thinconv.mapping import MappingReport, map_checkpoint
 from thinconv.recipe import Recipe
 from thinconv.transforms import get_transform
 
@@ -49,6 +49,7 @@ class ConvertOptions:
     keep: tuple[tuple[str, str], ...] = ()  # (role glob, dtype), later wins
     strict: bool = False
     probe: bool = True  # store validation.probe (reference logits computed from the source)
+    allow_config_keys: tuple[str, ...] = ()  # config keys the user takes responsibility for (--allow-config-key)
 
     def __post_init__(self) -> None:
         if self.dtype not in OUTPUT_DTYPES:
@@ -62,14 +63,17 @@ class ConvertOptions:
                 raise UsageError(f"--keep {glob}={dtype}: dtype must be one of {', '.join(OUTPUT_DTYPES[1:])}")
             if not any(fnmatch.fnmatchcase(r, glob) for r in spec.ROLES):
                 raise UsageError(f"--keep {glob}={dtype}: {glob!r} matches no role ({', '.join(spec.ROLES)})")
-            if not any(fnmatch.fnmatchcase(r, glob) for r in spec.MATRIX_ROLES):
+            if not any(fnmatch.fnmatchcase(r, glob) for r in spec.MATRIX_ROLES if not spec.ROLE[r].f32):
                 raise UsageError(f"--keep {glob}={dtype}: {glob!r} matches only 1-D roles, which are always f32 "
-                                 f"(matrix roles: {', '.join(spec.MATRIX_ROLES)})")
+                                 f"(matrix roles: {', '.join(r for r in spec.MATRIX_ROLES if not spec.ROLE[r].f32)})")
 
     def record(self) -> dict:
         """validation.converter.options: every option that shapes the archive's bytes."""
-        return {"dtype": self.dtype, "page_size": self.page_size, "rope_layout": self.rope_layout,
-                "keep": [[glob, dtype] for glob, dtype in self.keep], "strict": self.strict, "probe": self.probe}
+        out = {"dtype": self.dtype, "page_size": self.page_size, "rope_layout": self.rope_layout,
+               "keep": [[glob, dtype] for glob, dtype in self.keep], "strict": self.strict, "probe": self.probe}
+        if self.allow_config_keys:  # only when used: archives without it keep their bytes
+            out["allow_config_keys"] = sorted(self.allow_config_keys)
+        return out
 
 
 @dataclass
@@ -77,7 +81,7 @@ class TensorPlan:
     name: str
     role: str
     layer: int | None
-    sources: list[str]  # concatenated along dim 0; [] for rope_freqs
+    sources: list[str]  # source entries (NAME or NAME[a:b]), concatenated / stacked; [] for derived tensors
     shape: list[int]
     source_dtype: str  # THIN name of the source dtype (f32 for derived tensors)
     dtype: str
@@ -86,14 +90,17 @@ class TensorPlan:
     permute_rope: bool = False
     transform: str | None = None
     note: str | None = None  # why a requested dtype was not applied
+    fp8_block: tuple[int, int] | None = None  # block-scaled fp8 source: values are weight × scale, in f32
 
     @property
     def quant(self) -> dict | None:
         if not dtypes.is_block(self.dtype):
             return None
-        # An f64 source reaches the quantizer rounded to f32 (as in any f64 → f32 conversion), and
-        # quant.source_dtype only names dtypes that upcast exactly (dtypes.QUANT_SOURCE_DTYPES).
-        source = self.source_dtype if dtypes.get(self.source_dtype).exact_f32 else "f32"
+        # An f64 source reaches the quantizer rounded to f32 (as in any f64 → f32 conversion), a
+        # block-scaled fp8 one as weight × scale in f32, and quant.source_dtype only names dtypes that
+        # upcast exactly (dtypes.QUANT_SOURCE_DTYPES).
+        exact = dtypes.get(self.source_dtype).exact_f32 and self.fp8_block is None
+        source = self.source_dtype if exact else "f32"
         return {"scheme": self.dtype, "block_size": dtypes.BLOCK_SIZE, "block_bytes": dtypes.get(self.dtype).nbytes,
                 "source_dtype": source}
 
@@ -106,8 +113,13 @@ class TensorPlan:
         return {"placement": "device", "access": "matmul"}
 
     @property
+    def rows(self) -> int:
+        """Rows of the [rows, cols] matrix its pages tile (an expert tensor [E, r, c] has E·r)."""
+        return spec.rows_and_cols(self.shape)[0]
+
+    @property
     def nbytes(self) -> int:
-        return self.shape[0] * self.row_bytes
+        return self.rows * self.row_bytes
 
 
 @dataclass
@@ -118,35 +130,6 @@ class AssetPlan:
     @property
     def media_type(self) -> str:
         return next((t for ext, t in ASSET_MEDIA_TYPES.items() if self.file.name.endswith(ext)), "application/octet-stream")
-
-
-@dataclass
-class MappingReport:
-    """How a checkpoint's tensors meet a recipe; `problems` empty means it converts."""
-
-    model: dict
-    mapped: dict[str, list[str]] = field(default_factory=dict)  # canonical → source names
-    ignored: list[str] = field(default_factory=list)
-    tied_duplicate: str | None = None  # a source head identical to the embeddings, skipped
-    unmapped: list[str] = field(default_factory=list)
-    unexpected: list[str] = field(default_factory=list)
-    missing: list[str] = field(default_factory=list)
-    shape_errors: list[str] = field(default_factory=list)
-    dtype_errors: list[str] = field(default_factory=list)
-
-    @property
-    def problems(self) -> list[str]:
-        out = []
-        if self.unmapped:
-            out.append(f"{len(self.unmapped)} source tensor(s) not mapped by the recipe nor ignored: "
-                       f"{_names(self.unmapped)}")
-        if self.missing:
-            out.append(f"{len(self.missing)} required tensor(s) missing from the checkpoint: {_names(self.missing)}")
-        return out + self.unexpected + self.shape_errors + self.dtype_errors
-
-
-def _names(names: list[str], limit: int = 12) -> str:
-    return ", ".join(names[:limit]) + (f", … ({len(names) - limit} more)" if len(names) > limit else "")
 
 
 @dataclass
@@ -183,99 +166,11 @@ class Plan:
         }
 
 
-def map_checkpoint(ckpt: Checkpoint, recipe: Recipe, rope_layout: str = "half", *,
-                   compare_tied_head: bool = True) -> MappingReport:
-    """Map every source tensor through the recipe and check names, flags, shapes and dtypes.
-
-    `compare_tied_head` also compares a head shipped by a tied model with the embeddings, which
-    reads both tensors; planning leaves that to `convert` (see `tied_head_problem`)."""
-    model = read_model_metadata(ckpt.config, ckpt.generation_config, architecture=recipe.name,
-                                rules=recipe.metadata, rope_layout=rope_layout)
-    report = MappingReport(model)
-    wanted = set(spec.tensor_names(model)) - {"rope_freqs"}
-    found: dict[str, list[str]] = {}  # canonical → the source tensors that map onto it
-    for source in sorted(ckpt.tensors):
-        canonical = recipe.match_source(source)
-        if canonical is None:
-            (report.ignored if recipe.is_ignored(source) else report.unmapped).append(source)
-            continue
-        found.setdefault(canonical, []).append(source)
-    for canonical, hits in found.items():
-        role, layer = spec.split_name(canonical)
-        expected = recipe.sources_for(canonical) or []
-        sources = [s for s in expected if s in hits]  # in the recipe's order: concatenated in that order
-        if canonical in wanted:
-            if len(sources) == len(expected):
-                report.mapped[canonical] = sources
-            continue
-        if canonical == "output.weight" and model["tie_word_embeddings"]:
-            report.tied_duplicate = (sources or hits)[0]
-            continue
-        if layer is not None and layer >= model["num_layers"]:
-            why = f"is for layer {layer}, but config.json has num_hidden_layers = {model['num_layers']}"
-        else:
-            why = f"maps to {canonical}, which config.json rules out ({spec.ROLE[role].absent_because})"
-        report.unexpected.extend(f"source tensor {s} {why}" for s in hits)
-    for canonical in spec.tensor_names(model):
-        if canonical == "rope_freqs" or canonical in report.mapped:
-            continue
-        expected = recipe.sources_for(canonical)
-        lacking = [s for s in (expected or []) if s not in found.get(canonical, [])]
-        report.missing.append(f"{canonical} (from {', '.join(lacking)})" if lacking else
-                              f"{canonical} (the recipe has no rule for role {spec.split_name(canonical)[0]})")
-    for canonical, sources in report.mapped.items():
-        _check_shape_and_dtype(ckpt, model, canonical, sources, report)
-    if compare_tied_head:
-        problem = tied_head_problem(ckpt, report)
-        if problem:
-            report.unexpected.append(problem)
-    return report
-
-
-def _check_shape_and_dtype(ckpt: Checkpoint, model: dict, canonical: str, sources: list[str], report: MappingReport) -> None:
-    role, _ = spec.split_name(canonical)
-    want = spec.expected_shape(model, role)
-    entries = [ckpt.tensors[s] for s in sources]
-    shapes = [list(e.shape) for e in entries]
-    if any(len(s) != len(want) or s[1:] != want[1:] for s in shapes):
-        got = shapes[0] if len(shapes) == 1 else shapes
-    else:
-        got = [sum(s[0] for s in shapes), *want[1:]]
-    if got != want:
-        why = spec.dims_text(model, role)
-        report.shape_errors.append(f"tensor {', '.join(sources)} ({canonical}) has shape {got}, but config.json "
-                                   f"implies {want} ({why})")
-    codes = {e.dtype for e in entries}
-    if len(codes) > 1 or next(iter(codes)) not in dtypes.SOURCE_DTYPES:
-        report.dtype_errors.append(f"tensor {', '.join(sources)} ({canonical}) has dtype {'/'.join(sorted(codes))}; "
-                                   f"expected one float dtype ({', '.join(dtypes.SOURCE_DTYPES)})")
-
-
-def tied_head_problem(ckpt: Checkpoint, report: MappingReport) -> str | None:
-    """A tied model may still ship lm_head.weight; it must then equal the embeddings (reads both)."""
-    head = report.tied_duplicate
-    embd_sources = report.mapped.get("token_embd.weight")
-    if not head or not embd_sources or len(embd_sources) != 1:
-        return None
-    a, b = ckpt.array(head), ckpt.array(embd_sources[0])
-    same = a.shape == b.shape and a.dtype == b.dtype
-    row = a.nbytes // max(a.shape[0], 1)
-    for s in range(0, a.shape[0] if same else 0, 4096):  # in slices, releasing each: RSS stays flat
-        same = bool((a[s:s + 4096].view("u1") == b[s:s + 4096].view("u1")).all())
-        for name in (head, embd_sources[0]):
-            ckpt.release(name, s * row, (s + 4096) * row)
-        if not same:
-            break
-    if same:
-        return None
-    return (f"config.json ties the output head to the embeddings (tie_word_embeddings), but "
-            f"{head} differs from {embd_sources[0]}")
-
-
 def plan_conversion(ckpt: Checkpoint, recipe: Recipe, options: ConvertOptions) -> Plan:
     """Every output tensor with its dtype and pages, or a ConversionError naming what does not fit.
     Reads no tensor data (nor does `--dry-run`): the tied-head comparison is left to `convert`."""
-    report = map_checkpoint(ckpt, recipe, options.rope_layout, compare_tied_head=False)
+    report = map_checkpoint(ckpt, recipe, options.rope_layout, compare_tied_head=False,
+                            allowed_keys=options.allow_config_keys)
     if report.problems:
         raise ConversionError(f"{ckpt.root}: " + "; ".join(report.problems))
     model = report.model
@@ -283,30 +178,43 @@ def plan_conversion(ckpt: Checkpoint, recipe: Recipe, options: ConvertOptions) -
     for name in spec.tensor_names(model):
         role, layer = spec.split_name(name)
         shape = spec.expected_shape(model, role)
-        if name == "rope_freqs":
+        fp8 = None
+        if role in spec.DERIVED_ROLES:
             source_dtype, sources = "f32", []
         else:
             sources = report.mapped[name]
-            source_dtype = dtypes.SOURCE_DTYPES[ckpt.tensors[sources[0]].dtype]
+            code = ckpt.tensors[sources[0].split("[", 1)[0]].dtype
+            source_dtype = dtypes.SOURCE_DTYPES[code]
+            fp8 = report.fp8.block if report.fp8 is not None and code == "F8_E4M3" else None
         dtype, note = _choose_dtype(recipe, options, model, role, shape, source_dtype)
-        cols = shape[1] if len(shape) == 2 else 1
-        rb = dtypes.row_bytes(dtype, cols)
-        pages = [(0, shape[0])] if len(shape) == 1 else split_rows(shape[0], rb, options.page_size)
+        rb = dtypes.row_bytes(dtype, shape[-1] if len(shape) >= 2 else 1)
         transform = next((t for g, t in reversed(recipe.transforms) if fnmatch.fnmatchcase(role, g)), None)
         if transform:
             get_transform(transform, f"{recipe.path}: transforms")
-        tensors.append(TensorPlan(name, role, layer, sources, shape, source_dtype, dtype, pages, rb,
-                                  permute_rope=options.rope_layout == "interleaved" and spec.ROLE[role].rope_rows,
-                                  transform=transform, note=note))
+        tensors.append(TensorPlan(name, role, layer, sources, shape, source_dtype, dtype, _pages(shape, rb, options),
+                                  rb, permute_rope=options.rope_layout == "interleaved" and spec.ROLE[role].rope_rows,
+                                  transform=transform, note=note, fp8_block=fp8))
     assets = [AssetPlan(f, split_bytes(f.size, options.page_size)) for f in ckpt.asset_files()]
     return Plan(recipe, model, options, tensors, assets, report)
+
+
+def _pages(shape: list[int], row_bytes: int, options: ConvertOptions) -> list[tuple[int, int]]:
+    """A tensor's pages as row ranges: one page for 1-D tensors; whole rows up to the page size for
+    matrices; for an expert tensor [E, r, c] the same within each expert, so that no page holds rows
+    of two experts (addendum §4)."""
+    if len(shape) == 1:
+        return [(0, shape[0])]
+    if len(shape) == 2:
+        return split_rows(shape[0], row_bytes, options.page_size)
+    per_expert = split_rows(shape[1], row_bytes, options.page_size)
+    return [(e * shape[1] + a, e * shape[1] + b) for e in range(shape[0]) for a, b in per_expert]
 
 
 def _choose_dtype(recipe: Recipe, options: ConvertOptions, model: dict, role: str, shape: list[int],
                   source_dtype: str) -> tuple[str, str | None]:
     """The output dtype of one tensor, and a note when a requested block type could not apply."""
-    if len(shape) == 1:
-        return "f32", None
+    if len(shape) == 1 or spec.ROLE[role].f32:
+        return "f32", None  # norms, biases and the MoE routers stay f32
     natural = source_dtype if source_dtype in dtypes.FLOAT_DTYPES else ("f32" if source_dtype == "f64" else "bf16")
     dtype = options.dtype if options.dtype != "auto" else natural
     if dtypes.is_block(dtype):

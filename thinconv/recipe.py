@@ -11,6 +11,7 @@ in $THINCONV_RECIPES (os.pathsep-separated), each `--recipes DIR`.
 
 from __future__ import annotations
 
+import ast
 import fnmatch
 import importlib.resources
 import os
@@ -18,29 +19,60 @@ import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
-from thinconv.errors import RecipeError
+from thinconv import expr
+from thinconv.errors import ConversionError, RecipeError
+from thinconv.family import FamilyRules
 from thinconv.format import dtypes, spec
 from thinconv.modelmeta import MetadataRules
 
 LAYER = "{L}"
+EXPERT = "{E}"
 # Each recipe becomes a sub-command, so it cannot take a built-in command's name.
 RESERVED_NAMES = frozenset({"inspect", "verify", "pack", "unpack", "convert", "recipes", "recipe", "check", "run",
                             "batch"})
-_LAYER_RE = r"(0|[1-9][0-9]*)"
+_INDEX_RE = r"(0|[1-9][0-9]*)"
 _RECIPE_KEYS = {"name", "description", "extends", "architectures", "tensors", "ignore", "metadata",
-                "quantizable", "keep", "transforms"}
+                "quantizable", "keep", "transforms", "model", "config"}
 # Tables that `extends` merges key by key (docs/adding-an-architecture.md); other keys replace.
-_TABLE_KEYS = ("tensors", "metadata", "keep", "transforms")
+_TABLE_KEYS = ("tensors", "metadata", "keep", "transforms", "model")
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """One way to read a canonical tensor: source name patterns concatenated along dim 0, a
+    pattern with {E} standing for every expert in order (stacked), and optionally `rows`, an
+    expression giving the [a, b) row ranges of the one pattern to read (addendum §4: NAME[a:b])."""
+
+    patterns: tuple[str, ...]
+    rows: ast.Expression | None = None
+
+    def names(self, layer: int | None, model: dict, where: str) -> list[str]:
+        """The manifest `source` entries for one tensor (slices spelled NAME[a:b])."""
+        out = []
+        experts = ((model.get("moe") or {}).get("num_experts") or 0)
+        for p in self.patterns:
+            p = p.replace(LAYER, str(layer)) if layer is not None else p
+            out += [p.replace(EXPERT, str(e)) for e in range(experts)] if EXPERT in p else [p]
+        if self.rows is None:
+            return out
+        ranges = expr.evaluate(self.rows, model, expr.BASE_FUNCTIONS, f"{where}: rows")
+        if not (isinstance(ranges, list) and ranges and all(
+                isinstance(r, list) and len(r) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in r)
+                and 0 <= r[0] < r[1] for r in ranges)):
+            raise ConversionError(f"{where}: rows must give a non-empty list of [a, b] ranges with 0 ≤ a < b, "
+                                  f"got {ranges!r}")
+        return [f"{out[0]}[{a}:{b}]" for a, b in ranges]
 
 
 @dataclass(frozen=True)
 class TensorRule:
-    """One canonical tensor and the source pattern(s) it is read from (concatenated along dim 0)."""
+    """One canonical tensor and the ways it may be read (the first whose tensors all exist wins:
+    e.g. the Hub's per-expert tensors, or the fused expert tensors transformers holds in memory)."""
 
     canonical: str  # e.g. "blk.{L}.attn_q.weight"
-    sources: tuple[str, ...]  # e.g. ("model.layers.{L}.self_attn.q_proj.weight",)
+    alternatives: tuple[SourceSpec, ...]
 
     @property
     def role(self) -> str:
@@ -49,6 +81,11 @@ class TensorRule:
     @property
     def per_layer(self) -> bool:
         return LAYER in self.canonical
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        """Every source pattern of every alternative."""
+        return tuple(p for alt in self.alternatives for p in alt.patterns)
 
 
 @dataclass(frozen=True)
@@ -64,29 +101,43 @@ class Recipe:
     transforms: tuple[tuple[str, str], ...]  # (role glob, registered transform name)
     path: str  # where it was loaded from, for messages
     chain: tuple[str, ...] = field(default=())  # the extends chain, most derived first
+    family: FamilyRules = field(default=FamilyRules())  # [model] expressions, [config] accounting
 
     def is_quantizable(self, role: str) -> bool:
         return any(fnmatch.fnmatchcase(role, g) for g in self.quantizable)
 
-    def match_source(self, source_name: str) -> str | None:
-        """The canonical name a source tensor maps to, or None."""
+    def match_source(self, source_name: str) -> list[str]:
+        """The canonical names whose rules name this source tensor (several when it is sliced)."""
+        out = []
         for rule in self.tensors:
             for pattern in rule.sources:
                 m = _compile(pattern).fullmatch(source_name)
                 if m:
-                    return rule.canonical.replace(LAYER, m.group(1)) if rule.per_layer else rule.canonical
-        return None
+                    name = rule.canonical.replace(LAYER, m.group("L")) if rule.per_layer else rule.canonical
+                    if name not in out:
+                        out.append(name)
+        return out
 
     def is_ignored(self, source_name: str) -> bool:
         return any(_compile(p).fullmatch(source_name) for p in self.ignore)
 
-    def sources_for(self, canonical: str) -> list[str] | None:
-        """The source names a canonical tensor is read from, or None if the recipe has no rule."""
+    def rule_for(self, canonical: str) -> TensorRule | None:
         role, layer = spec.split_name(canonical)
-        for rule in self.tensors:
-            if rule.role == role and rule.per_layer == (layer is not None):
-                return [s.replace(LAYER, str(layer)) for s in rule.sources]
-        return None
+        return next((r for r in self.tensors if r.role == role and r.per_layer == (layer is not None)), None)
+
+    def alternatives_for(self, canonical: str, model: dict | None = None) -> list[list[str]] | None:
+        """Each alternative's source entries for a canonical tensor (None: the recipe has no rule)."""
+        rule = self.rule_for(canonical)
+        if rule is None:
+            return None
+        layer = spec.split_name(canonical)[1]
+        where = f"{self.path}: tensors.{rule.canonical!r}"
+        return [alt.names(layer, model or {}, where) for alt in rule.alternatives]
+
+    def sources_for(self, canonical: str, model: dict | None = None) -> list[str] | None:
+        """The first alternative's source entries for a canonical tensor (None: no rule)."""
+        alternatives = self.alternatives_for(canonical, model)
+        return None if alternatives is None else alternatives[0]
 
 
 _COMPILED: dict[str, re.Pattern] = {}
@@ -95,7 +146,9 @@ _COMPILED: dict[str, re.Pattern] = {}
 def _compile(pattern: str) -> re.Pattern:
     rx = _COMPILED.get(pattern)
     if rx is None:
-        rx = _COMPILED[pattern] = re.compile(re.escape(pattern).replace(re.escape(LAYER), _LAYER_RE))
+        text = re.escape(pattern).replace(re.escape(LAYER), f"(?P<L>{_INDEX_RE})", 1)
+        text = text.replace(re.escape(LAYER), "(?P=L)").replace(re.escape(EXPERT), _INDEX_RE)
+        rx = _COMPILED[pattern] = re.compile(text)
     return rx
 
 
@@ -119,10 +172,57 @@ def _merge(base: dict, child: dict) -> dict:
             out[key] = {k: v for k, v in merged.items() if v != ""}
         elif key == "ignore" and isinstance(value, list) and isinstance(base.get(key), list):
             out[key] = base[key] + [v for v in value if v not in base[key]]
+        elif key == "config" and isinstance(value, dict) and isinstance(base.get(key), dict):
+            old = base[key]
+            understood = list(old.get("understood", [])) + [k for k in value.get("understood", [])
+                                                            if k not in old.get("understood", [])]
+            out[key] = {**old, **value, "understood": understood,
+                        "require": {**old.get("require", {}), **value.get("require", {})}}
         else:
             out[key] = value
     out.pop("extends", None)
     return out
+
+
+def _rule(canonical: str, value: Any, err: Callable[[str, str], RecipeError]) -> TensorRule:
+    """One [tensors] entry: "NAME", ["A", "B"] (concatenated), {source = …, rows = "…"}, or a list
+    of such tables (alternatives)."""
+    where = f"tensors.{canonical!r}"
+    role, _ = spec.split_name(canonical.replace(LAYER, "0"))
+    per_layer = LAYER in canonical
+    if role not in spec.ROLES or per_layer != (role in spec.LAYER_ROLES) or role.startswith("rope_freqs") or \
+            (per_layer and canonical != f"blk.{LAYER}.{role}"):
+        raise err(where, "not a canonical THIN name (layer tensors are 'blk.{L}.<role>', roles: "
+                         f"{', '.join(spec.LAYER_ROLES)}; globals: token_embd.weight, output_norm.weight, "
+                         "output_norm.bias, output.weight)")
+    if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+        alternatives = [_spec(v, where, err) for v in value]
+    elif isinstance(value, dict):
+        alternatives = [_spec(value, where, err)]
+    else:
+        alternatives = [_spec({"source": value}, where, err)]
+    for alt in alternatives:
+        for pat in alt.patterns:
+            if (LAYER in pat) != per_layer or pat.count(LAYER) > 1:
+                raise err(where, f"source pattern {pat!r} must contain {{L}} exactly when the canonical name does")
+            if EXPERT in pat and (not spec.ROLE[role].experts or pat.count(EXPERT) > 1):
+                raise err(where, f"source pattern {pat!r}: {{E}} (once) stands for the experts of an expert tensor "
+                                 f"(ffn_*_exps) only")
+    return TensorRule(canonical, tuple(alternatives))
+
+
+def _spec(table: dict, where: str, err: Callable[[str, str], RecipeError]) -> SourceSpec:
+    unknown = sorted(set(table) - {"source", "rows"})
+    if unknown:
+        raise err(where, f"unknown key {unknown[0]!r} (a source table has source and rows)")
+    src = table.get("source")
+    patterns = [src] if isinstance(src, str) else src
+    if not (isinstance(patterns, list) and patterns and all(isinstance(p, str) and p for p in patterns)):
+        raise err(where, "expected a source name pattern or a list of them")
+    rows = table.get("rows")
+    if rows is not None and (len(patterns) != 1 or EXPERT in patterns[0]):
+        raise err(where, "rows slice one source pattern (without {E})")
+    return SourceSpec(tuple(patterns), expr.parse(rows, f"{where}: rows") if rows is not None else None)
 
 
 def _build(raw: dict, label: str, chain: tuple[str, ...]) -> Recipe:
@@ -141,23 +241,7 @@ def _build(raw: dict, label: str, chain: tuple[str, ...]) -> Recipe:
     table = raw.get("tensors")
     if not isinstance(table, dict) or not table:
         raise err("tensors", "expected a table of canonical name = source pattern(s)")
-    rules = []
-    for canonical, src in table.items():
-        sources = [src] if isinstance(src, str) else src
-        if not (isinstance(sources, list) and sources and all(isinstance(s, str) and s for s in sources)):
-            raise err(f"tensors.{canonical!r}", "expected a source name pattern or a list of them")
-        role, layer = spec.split_name(canonical.replace(LAYER, "0"))
-        per_layer = LAYER in canonical
-        if role not in spec.ROLES or per_layer != (role in spec.LAYER_ROLES) or role == "rope_freqs" or \
-                (per_layer and canonical != f"blk.{LAYER}.{role}"):
-            raise err(f"tensors.{canonical!r}", "not a canonical THIN name (layer tensors are 'blk.{L}.<role>', "
-                                               f"roles: {', '.join(spec.LAYER_ROLES)}; globals: token_embd.weight, "
-                                               "output_norm.weight, output.weight)")
-        for s in sources:
-            if (LAYER in s) != per_layer or s.count(LAYER) > 1:
-                raise err(f"tensors.{canonical!r}", f"source pattern {s!r} must contain {{L}} exactly when the "
-                                                   "canonical name does")
-        rules.append(TensorRule(canonical, tuple(sources)))
+    rules = [_rule(canonical, src, err) for canonical, src in table.items()]
     ignore = raw.get("ignore", [])
     if not (isinstance(ignore, list) and all(isinstance(s, str) and s for s in ignore)):
         raise err("ignore", "expected a list of source name patterns")
@@ -185,10 +269,11 @@ def _build(raw: dict, label: str, chain: tuple[str, ...]) -> Recipe:
     description = raw.get("description", "")
     if not isinstance(description, str):
         raise err("description", "expected a string")
+    family = FamilyRules.from_tables(raw.get("model", {}), raw.get("config", {}), label)
     return Recipe(name=name, description=description, architectures=tuple(archs), tensors=tuple(rules),
                   ignore=tuple(ignore), metadata=MetadataRules.from_table(meta, f"{label}: metadata"),
                   quantizable=tuple(quantizable), keep=tuple(keep.items()), transforms=tuple(transforms.items()),
-                  path=label, chain=chain)
+                  path=label, chain=chain, family=family)
 
 
 @dataclass

@@ -156,7 +156,7 @@ def check_recipe(recipe: str = typer.Argument(..., help="A recipe name, or the p
                  as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
     """Dry-run a recipe against a checkpoint: unmapped tensors, missing roles, shape mismatches."""
     from thinconv.checkpoint.source import open_checkpoint
-    from thinconv.plan import map_checkpoint
+    from thinconv.mapping import map_checkpoint
     from thinconv.recipe import load_registry
 
     with reported():

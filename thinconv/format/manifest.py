@@ -540,6 +540,13 @@ def _check_validation(c: _Checker, v: Any, names: set[str]) -> None:
         c.obj(v["probe"], f"{p}.probe")
 
 
+def validate_model(model: Any) -> ValidationReport:
+    """Check a `model` section alone against the schema and the rules between its keys."""
+    report = ValidationReport()
+    _check_model(_Checker(report), model)
+    return report
+
+
 def validate_manifest(m: Any) -> ValidationReport:
     """Check a decoded manifest against the spec's structure rules; report every error found."""
     report = ValidationReport()

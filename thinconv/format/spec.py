@@ -257,6 +257,7 @@ ROLE_TABLE: tuple[Role, ...] = (
     Role("ffn_post_norm.weight", "layer", lambda m: [m["hidden_size"]], matrix=False, **_POST),
 )
 ROLE: dict[str, Role] = {r.name: r for r in ROLE_TABLE}
+DERIVED_ROLES = ("rope_freqs", "rope_freqs_sliding")  # computed from `model`, never read from a checkpoint
 LAYER_ROLES = tuple(r.name for r in ROLE_TABLE if r.per_layer)
 GLOBAL_ROLES = tuple(r.name for r in ROLE_TABLE if not r.per_layer)
 ROLES = GLOBAL_ROLES + LAYER_ROLES
