@@ -385,7 +385,7 @@ def _manifest(ckpt: Checkpoint, plan: Plan, jobs: list[_PageJob], checksums: lis
     validation: dict[str, Any] = {
         "converter": {"name": "thinconv", "version": thinconv.__version__, "recipe": plan.recipe.name,
                       "options": plan.options.record()},
-        "source": ckpt.provenance(),
+        "source": _provenance(ckpt, plan),
         "stats": stats,
     }
     if quant:
@@ -395,6 +395,14 @@ def _manifest(ckpt: Checkpoint, plan: Plan, jobs: list[_PageJob], checksums: lis
     return {"format": "thin", "format_version": spec.VERSION, "alignment": spec.ALIGNMENT, "model": plan.model,
             "tensors": [_tensor_entry(tp) for tp in plan.tensors], "pages": pages, "assets": assets,
             "runtime": {"page_size": plan.options.page_size}, "validation": validation}
+
+
+def _provenance(ckpt: Checkpoint, plan: Plan) -> dict:
+    """validation.source, plus the source's own quantization (a block-FP8 checkpoint) when it had one."""
+    source = ckpt.provenance()
+    if plan.mapping.fp8 is not None:
+        source["quantization"] = plan.mapping.fp8.config
+    return source
 
 
 def check_output(out: Path, force: bool) -> None:

@@ -17,10 +17,11 @@ import numpy as np
 from thinconv.casts import BF16, as_bytes, bf16_to_f16, f32_to_bf16, scratch, widen
 from thinconv.checkpoint.source import Checkpoint
 from thinconv.errors import ConversionError
-from thinconv.format import dtypes
+from thinconv.format import dtypes, spec
 from thinconv.plan import Plan, TensorPlan
+from thinconv.quant import SOURCE_DTYPES as QUANT_INPUTS
 from thinconv.quant import NonFiniteError, QuantErrorStats, quantize_rows
-from thinconv.rope import model_rope_freqs
+from thinconv.rope import derived_tables
 from thinconv.rows import TensorSource
 
 CHUNK_VALUES = 1 << 20  # values per work chunk: temporaries stay a few MiB whatever the page size
@@ -109,7 +110,7 @@ class PageMaker:
     def __init__(self, ckpt: Checkpoint, plan: Plan):
         self.ckpt, self.plan = ckpt, plan
         self._sources: dict[str, TensorSource] = {}
-        self._rope: np.ndarray | None = None
+        self._derived: dict[str, np.ndarray] | None = None
 
     def source(self, tp: TensorPlan) -> TensorSource:
         if tp.name not in self._sources:
@@ -120,14 +121,15 @@ class PageMaker:
         """Emit the bytes of output rows [start, end) of `tp` in order; return what was measured:
         the source values' statistics, and the quantization error of a block-quantized page."""
         stats = RunningStats()
-        if tp.name == "rope_freqs":
-            if self._rope is None:
-                self._rope = np.ascontiguousarray(model_rope_freqs(self.plan.model), dtype="<f4")
-            stats.add(self._rope)
-            emit(as_bytes(self._rope))
+        if tp.role in spec.DERIVED_ROLES:
+            if self._derived is None:
+                self._derived = {k: np.ascontiguousarray(v, dtype="<f4") for k, v in derived_tables(self.plan.model).items()}
+            table = self._derived[tp.name]
+            stats.add(table)
+            emit(as_bytes(table))
             return PageOutput(stats)
         source = self.source(tp)
-        step = max(1, CHUNK_VALUES // (tp.shape[1] if len(tp.shape) == 2 else 1))
+        step = max(1, CHUNK_VALUES // (tp.shape[-1] if len(tp.shape) >= 2 else 1))
         qerr = None
         if dtypes.is_block(tp.dtype):
             qerr = QuantErrorStats()
@@ -166,7 +168,7 @@ class PageMaker:
     def _quantize(tp: TensorPlan, src: np.ndarray, stats: RunningStats, qerr: Any) -> np.ndarray:
         # The quantizer's input: the source upcast exactly to f32 (the quantizer does it tile by
         # tile; an f64 source is rounded to f32 first). It adds the error of these rows to qerr.
-        if src.dtype == np.float64:
+        if src.dtype not in QUANT_INPUTS:  # f64 rounds to f32 (as any f64 → f32 cast); f8 upcasts exactly
             src = src.astype(np.float32)
         out = scratch(src.shape[0] * tp.row_bytes, np.uint8, "out").reshape(src.shape[0], tp.row_bytes)
         try:

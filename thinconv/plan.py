@@ -229,6 +229,6 @@ def _choose_dtype(recipe: Recipe, options: ConvertOptions, model: dict, role: st
     for glob, kept in (*recipe_keep, *options.keep):
         if fnmatch.fnmatchcase(role, glob):
             dtype = kept
-    if dtypes.is_block(dtype) and shape[1] % dtypes.BLOCK_SIZE:
-        return natural, f"{shape[1]} cols is not a multiple of {dtypes.BLOCK_SIZE}: kept {natural} instead of {dtype}"
+    if dtypes.is_block(dtype) and shape[-1] % dtypes.BLOCK_SIZE:
+        return natural, f"{shape[-1]} cols is not a multiple of {dtypes.BLOCK_SIZE}: kept {natural} instead of {dtype}"
     return dtype, None

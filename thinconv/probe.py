@@ -13,7 +13,7 @@ import numpy as np
 
 from thinconv.decoder import prefill_logits
 from thinconv.format import spec
-from thinconv.rope import model_rope_freqs
+from thinconv.rope import derived_tables
 from thinconv.rows import TensorSource
 
 PROBE_TOKENS = 8
@@ -26,25 +26,25 @@ class SourceProvider:
 
     def __init__(self, ckpt, plan, wait=None):
         self.model = {**plan.model, "rope": {**plan.model["rope"], "layout": "half"}}
-        self._rope = model_rope_freqs(self.model)
+        self._derived = derived_tables(self.model)
         # the same row reader the converter uses, without the interleave permutation
         self._sources = {t.name: TensorSource(ckpt, replace(t, permute_rope=False), self.model, plan.recipe.path)
                          for t in plan.tensors if t.sources}
         self._wait = wait  # wait(name, end): the converter's StreamGate, when following its stream
 
     def has(self, name: str) -> bool:
-        return name in self._sources or (name == "rope_freqs" and self._rope is not None)
+        return name in self._sources or name in self._derived
 
     def get(self, name: str) -> np.ndarray:
-        if name == "rope_freqs":
-            return self._rope
-        return self.rows(name, 0, self.shape(name)[0])
+        if name in self._derived:
+            return self._derived[name]
+        return self.rows(name, 0, self._sources[name].tp.rows).reshape(self.shape(name))
 
     def rows(self, name: str, start: int, end: int) -> np.ndarray:
         source = self._sources[name]
         if self._wait is not None:
             self._wait(name, end)
-        out = np.asarray(source.rows(start, end), dtype=np.float32).reshape(end - start, *source.tp.shape[1:])
+        out = np.asarray(source.rows(start, end), dtype=np.float32).reshape(end - start, *source.tp.shape[1:][-1:])
         source.release(start, end)  # keep the mmap's resident pages bounded
         return out
 

@@ -90,6 +90,20 @@ def model_rope_freqs(model: Mapping[str, Any]) -> np.ndarray | None:
                          max_position_embeddings=model["max_position_embeddings"])
 
 
+def derived_tables(model: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """The model's derived tensors (spec §2.2, addendum §2): `rope_freqs`, and `rope_freqs_sliding` for
+    a sliding-layer RoPE — each present when its scaling has a static table."""
+    out = {}
+    for name, rope in (("rope_freqs", model["rope"]), ("rope_freqs_sliding", model["rope"].get("sliding"))):
+        if rope is None:
+            continue
+        params = {**rope, "rotary_dim": model["rope"]["rotary_dim"]}
+        table = rope_inv_freq(params, head_dim=model["head_dim"], max_position_embeddings=model["max_position_embeddings"])
+        if table is not None:
+            out[name] = table
+    return out
+
+
 def rope_attention_factor(rope_parameters: Mapping[str, Any] | None, *, max_position_embeddings: int) -> float:
     """The factor on cos and sin for `rope.scaling` (`type` or HF's `rope_type` key): yarn and
     longrope as transformers computes it (explicit `attention_factor` wins); 1.0 otherwise."""

@@ -16,7 +16,8 @@ from thinconv.errors import JobsFileError, ThinError
 from thinconv.plan import DEFAULT_PAGE_SIZE, ConvertOptions, parse_keep, parse_page_size
 from thinconv.recipe import Registry, load_registry
 
-JOB_KEYS = ("source", "out", "recipe", "dtype", "revision", "keep", "page_size", "rope_layout", "strict", "probe")
+JOB_KEYS = ("source", "out", "recipe", "dtype", "revision", "keep", "page_size", "rope_layout", "strict", "probe",
+            "allow_config_keys")
 DEFAULT_KEYS = tuple(k for k in JOB_KEYS if k != "out")  # one `out` for several jobs would collide
 
 
@@ -168,6 +169,9 @@ def _check_field(key: str, value: Any, registry: Registry) -> tuple[Any, str | N
                 return None, f"expected a list of \"ROLE_GLOB=DTYPE\" strings, got {value!r}"
             value = parse_keep(value)
             ConvertOptions(keep=value)
+        elif key == "allow_config_keys":
+            if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+                return None, f"expected a list of config.json key names, got {value!r}"
     except ThinError as e:
         return None, re.sub(r"^--[\w-]+ ", "", str(e))
     return value, None
@@ -220,7 +224,8 @@ def _check_job(index: int, entry: dict, defaults: dict, bad_defaults: set[str], 
     try:
         options = ConvertOptions(dtype=values.get("dtype", "auto"), page_size=values.get("page_size", DEFAULT_PAGE_SIZE),
                                  rope_layout=values.get("rope_layout", "half"), keep=values.get("keep", ()),
-                                 strict=values.get("strict", False), probe=values.get("probe", True))
+                                 strict=values.get("strict", False), probe=values.get("probe", True),
+                                 allow_config_keys=tuple(values.get("allow_config_keys", ())))
     except ThinError as e:
         return None, [f"options: {e}"]
     return Job(index, source, out, options, values.get("recipe"), revision, hub), []

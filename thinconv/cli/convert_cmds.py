@@ -35,14 +35,16 @@ class RichProgress:
 
 def run_conversion(src: str, output: Path, recipe_name: Optional[str], dtype: str, page_size: str,
                    revision: Optional[str], rope_layout: str, keep: list[str], force: bool, strict: bool,
-                   dry_run: bool, as_json: bool, recipes: list[Path], probe: bool = True) -> None:
+                   dry_run: bool, as_json: bool, recipes: list[Path], probe: bool = True,
+                   allow_config_keys: tuple[str, ...] = ()) -> None:
     from thinconv.convert import check_output, convert, open_plan
     from thinconv.plan import ConvertOptions, parse_keep, parse_page_size
     from thinconv.recipe import load_registry
 
     with reported():
         options = ConvertOptions(dtype=dtype, page_size=parse_page_size(page_size), rope_layout=rope_layout,
-                                 keep=parse_keep(keep), strict=strict, probe=probe)
+                                 keep=parse_keep(keep), strict=strict, probe=probe,
+                                 allow_config_keys=tuple(allow_config_keys))
         if not dry_run:
             check_output(output, force)
         t0 = time.perf_counter()
@@ -101,7 +103,8 @@ def make_convert_command(recipe_name: Optional[str], help_text: str):
     def command(
         src: str = typer.Argument(..., help="A local checkpoint folder or a Hugging Face repo id (org/name)."),
         output: Path = typer.Argument(..., help="The .thin archive to write."),
-        dtype: str = typer.Option("auto", "--dtype", help="auto (source dtype) | bf16 | f16 | f32 | q8_0 | q4_0 | q4_1"),
+        dtype: str = typer.Option("auto", "--dtype", help="auto (the source dtype; bf16 for an fp8 source) | bf16 | f16 "
+                                                          "| f32 | q8_0 | q4_0 | q4_1"),
         page_size: str = typer.Option("16MiB", "--page-size", help="Largest page; big tensors split by whole rows."),
         revision: Optional[str] = typer.Option(None, "--revision", help="Hub branch, tag or commit."),
         rope_layout: str = typer.Option("half", "--rope-layout", help="half (HF rotate_half) | interleaved"),
@@ -112,9 +115,11 @@ def make_convert_command(recipe_name: Optional[str], help_text: str):
         as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
         recipes: list[Path] = typer.Option([], "--recipes", help="Extra recipe folder (repeatable)."),
         probe: bool = typer.Option(True, "--probe/--no-probe", help="Store reference logits (validation.probe)."),
+        allow_config_key: list[str] = typer.Option([], "--allow-config-key", help="A config.json key the recipe does not "
+                                                   "understand, converted anyway on your responsibility (repeatable)."),
     ) -> None:
         run_conversion(src, output, recipe_name, dtype, page_size, revision, rope_layout, keep, force, strict,
-                       dry_run, as_json, recipes, probe)
+                       dry_run, as_json, recipes, probe, tuple(allow_config_key))
 
     command.__doc__ = help_text
     return command

@@ -510,7 +510,10 @@ def _check_validation(c: _Checker, v: Any, names: set[str]) -> None:
         if "options" in conv:
             c.obj(conv["options"], f"{p}.converter.options")  # free-form: the converter's own settings
     src = v.get("source")
-    if "source" in v and c.obj(src, f"{p}.source", ("repo_id", "revision", "commit", "files")):
+    if "source" in v and c.obj(src, f"{p}.source", ("repo_id", "revision", "commit", "files"),
+                               optional=("quantization",)):
+        if "quantization" in src:  # the source checkpoint's own quantization (thinconv: block fp8)
+            c.obj(src["quantization"], f"{p}.source.quantization")
         for k in ("repo_id", "revision", "commit"):
             c.str(src.get(k), f"{p}.source.{k}", null=True)
         if c.list(src.get("files"), f"{p}.source.files"):

@@ -230,16 +230,16 @@ class Archive:
         import numpy as np  # lazy: `inspect` and `verify` never read a tensor (start-up time)
 
         t = self.tensor_info(name)
-        shape = t["shape"]
-        rb = dtypes.row_bytes(t["dtype"], shape[1] if len(shape) == 2 else 1)
+        n_rows, cols = spec.rows_and_cols(t["shape"])
+        rb = dtypes.row_bytes(t["dtype"], cols)
         recs = [self.page(pid) for pid in t["pages"]]
         contiguous = all(b.offset == a.offset + a.size for a, b in zip(recs, recs[1:]))
         if contiguous:
-            flat = np.frombuffer(self._mm, np.uint8, count=shape[0] * rb, offset=recs[0].offset)
+            flat = np.frombuffer(self._mm, np.uint8, count=n_rows * rb, offset=recs[0].offset)
         else:
             flat = np.concatenate([np.frombuffer(self._mm, np.uint8, r.size, r.offset) for r in recs])
             flat.flags.writeable = False
-        return flat.reshape(shape[0], rb)
+        return flat.reshape(n_rows, rb)
 
     def release(self, name: str) -> None:
         """Drop a tensor's mapped pages from this process's resident memory (the OS page cache
@@ -259,18 +259,23 @@ class Archive:
         return raw.view(dtypes.numpy_dtype(t["dtype"])).reshape(t["shape"])
 
     def dequantize(self, name: str, rows: tuple[int, int] | None = None) -> np.ndarray:
-        """A tensor as float32, decoding block-quantized dtypes; `rows` = (start, end) selects rows."""
+        """A tensor as float32 in its shape, decoding block-quantized dtypes; `rows` = (start, end)
+        selects rows of its [rows, cols] matrix instead (an expert tensor [E, r, c] has E·r rows)."""
         t = self.tensor_info(name)
         raw = self.tensor_bytes(name)
-        start, end = rows if rows is not None else (0, t["shape"][0])
-        if not 0 <= start <= end <= t["shape"][0]:
-            raise ThinFormatError(f"{self._name}: rows {rows} are outside [0, {t['shape'][0]}) of {name!r}")
+        n_rows, cols = spec.rows_and_cols(t["shape"])
+        start, end = rows if rows is not None else (0, n_rows)
+        if not 0 <= start <= end <= n_rows:
+            raise ThinFormatError(f"{self._name}: rows {rows} are outside [0, {n_rows}) of {name!r}")
         if not dtypes.is_block(t["dtype"]):
-            arr = raw.view(dtypes.numpy_dtype(t["dtype"])).reshape(t["shape"])
-            return arr[start:end].astype(dtypes.numpy_dtype("f32"))
-        from thinconv.format.blocks import dequantize_rows  # lazy: numpy (`inspect` start-up time)
+            out = raw[start:end].view(dtypes.numpy_dtype(t["dtype"])).astype(dtypes.numpy_dtype("f32"))
+        else:
+            from thinconv.format.blocks import dequantize_rows  # lazy: numpy (`inspect` start-up time)
 
-        return dequantize_rows(raw[start:end], t["dtype"], t["shape"][1])
+            out = dequantize_rows(raw[start:end], t["dtype"], cols)
+        if rows is None:
+            return out.reshape(t["shape"])
+        return out.reshape(end - start) if len(t["shape"]) == 1 else out.reshape(end - start, cols)
 
     # -- verifying --
 
@@ -307,25 +312,39 @@ class Archive:
         return report
 
     def _check_rope_freqs(self) -> list[str]:
-        """`rope_freqs` must be the table `model.rope` implies (spec §2.2): a runtime that computes
-        frequencies from theta and one that reads the tensor must rotate alike."""
-        if "rope_freqs" not in self._tensors:
+        """`rope_freqs` (and `rope_freqs_sliding`) must be the table `model.rope` implies (spec §2.2):
+        a runtime that computes frequencies from theta and one that reads the tensor must rotate
+        alike. A NaN anywhere in the comparison fails it."""
+        names = [n for n in spec.DERIVED_ROLES if n in self._tensors]
+        if not names:
             return []
         # Lazy: numpy-only RoPE math shared with the converter; numpy is not loaded until a check
         # needs it (`inspect` start-up).
-        from thinconv.rope import model_rope_freqs
+        import numpy as np
+
+        from thinconv.rope import derived_tables
 
         m = self.model
         try:
-            want = model_rope_freqs(m)
-        except ThinError as e:
+            with np.errstate(all="ignore"):
+                tables = derived_tables(m)
+        except (ThinError, ArithmeticError, ValueError, TypeError) as e:
             return [f"model.rope cannot be evaluated: {e}"]
-        got = self.tensor("rope_freqs").astype("f8")
-        rel = float(abs(got - want).max() / abs(want).max())
-        if rel > ROPE_FREQS_TOLERANCE:
-            return [f"tensor 'rope_freqs' differs from the inverse frequencies model.rope implies (theta "
-                    f"{m['rope']['theta']}, scaling {(m['rope']['scaling'] or {}).get('type')}): max relative error {rel:.3g}"]
-        return []
+        failures = []
+        for name in names:
+            want = tables.get(name)
+            if want is None:
+                failures.append(f"tensor {name!r} exists but model.rope implies no static table for it")
+                continue
+            got = self.tensor(name).astype("f8")
+            with np.errstate(all="ignore"):
+                rel = float(np.abs(got - want).max() / np.abs(want).max())
+            if not rel <= ROPE_FREQS_TOLERANCE:  # NaN fails too
+                rope = m["rope"] if name == "rope_freqs" else m["rope"]["sliding"]
+                failures.append(f"tensor {name!r} differs from the inverse frequencies model.rope implies (theta "
+                                f"{rope['theta']}, scaling {(rope['scaling'] or {}).get('type')}): max relative error "
+                                f"{rel:.3g}")
+        return failures
 
     # -- lifetime --
 
