@@ -68,6 +68,7 @@ class MetadataRules:
     o_bias: bool | str = False
     qk_norm: bool = False
     rope_per_layer_type: bool = False  # rope_parameters may be {"full_attention": {…}, "sliding_attention": {…}}
+    rope_source_layout: str = "half"  # how the checkpoint pairs rotary dims: HF's rotate_half, or "interleaved" (Cohere)
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -99,6 +100,8 @@ def _check_rule(name: str, value: Any, where: str) -> None:
             raise RecipeError(f"{where}: {name!r} must be a boolean or a config key name, got {value!r}")
     elif name in ("qk_norm", "rope_per_layer_type") and not isinstance(value, bool):
         raise RecipeError(f"{where}: {name!r} must be a boolean, got {value!r}")
+    elif name == "rope_source_layout" and value not in _ROPE_LAYOUTS:
+        raise RecipeError(f"{where}: 'rope_source_layout' must be one of {', '.join(_ROPE_LAYOUTS)}, got {value!r}")
 
 
 def read_model_metadata(config: dict, generation_config: dict | None, **kwargs: Any) -> dict:

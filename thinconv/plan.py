@@ -87,7 +87,7 @@ class TensorPlan:
     dtype: str
     pages: list[tuple[int, int]]
     row_bytes: int
-    permute_rope: bool = False
+    permute_rope: str | None = None  # "interleave" / "deinterleave" the rotary rows (source and archive layouts differ)
     transform: str | None = None
     note: str | None = None  # why a requested dtype was not applied
     fp8_block: tuple[int, int] | None = None  # block-scaled fp8 source: values are weight × scale, in f32
@@ -192,10 +192,18 @@ def plan_conversion(ckpt: Checkpoint, recipe: Recipe, options: ConvertOptions) -
         if transform:
             get_transform(transform, f"{recipe.path}: transforms")
         tensors.append(TensorPlan(name, role, layer, sources, shape, source_dtype, dtype, _pages(shape, rb, options),
-                                  rb, permute_rope=options.rope_layout == "interleaved" and spec.ROLE[role].rope_rows,
+                                  rb, permute_rope=_rope_permutation(recipe, options, role),
                                   transform=transform, note=note, fp8_block=fp8))
     assets = [AssetPlan(f, split_bytes(f.size, options.page_size)) for f in ckpt.asset_files()]
     return Plan(recipe, model, options, tensors, assets, report)
+
+
+def _rope_permutation(recipe: Recipe, options: ConvertOptions, role: str) -> str | None:
+    """How a role's rows move when the archive's RoPE layout (--rope-layout) is not the source's own."""
+    source = recipe.metadata.rope_source_layout
+    if not spec.ROLE[role].rope_rows or options.rope_layout == source:
+        return None
+    return "interleave" if options.rope_layout == "interleaved" else "deinterleave"
 
 
 def _pages(shape: list[int], row_bytes: int, options: ConvertOptions) -> list[tuple[int, int]]:

@@ -25,10 +25,11 @@ class SourceProvider:
     "half" RoPE layout whatever layout the archive will hold."""
 
     def __init__(self, ckpt, plan, wait=None):
-        self.model = {**plan.model, "rope": {**plan.model["rope"], "layout": "half"}}
+        layout = plan.recipe.metadata.rope_source_layout
+        self.model = {**plan.model, "rope": {**plan.model["rope"], "layout": layout}}
         self._derived = derived_tables(self.model)
         # the same row reader the converter uses, without the interleave permutation
-        self._sources = {t.name: TensorSource(ckpt, replace(t, permute_rope=False), self.model, plan.recipe.path)
+        self._sources = {t.name: TensorSource(ckpt, replace(t, permute_rope=None), self.model, plan.recipe.path)
                          for t in plan.tensors if t.sources}
         self._wait = wait  # wait(name, end): the converter's StreamGate, when following its stream
 

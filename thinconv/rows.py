@@ -90,8 +90,10 @@ class TensorSource:
         self.tp, self.model, self.ckpt = tp, model, ckpt
         self.segments = _segments(ckpt, tp)
         self.offsets = np.cumsum([0] + [seg.n for seg in self.segments])
-        self.perm = rope_row_permutation(tp.rows, model["head_dim"], model["rope"]["rotary_dim"]) \
-            if tp.permute_rope else None
+        self.perm = None
+        if tp.permute_rope is not None:
+            perm = rope_row_permutation(tp.rows, model["head_dim"], model["rope"]["rotary_dim"])
+            self.perm = perm if tp.permute_rope == "interleave" else np.argsort(perm)
         self.transform = get_transform(tp.transform, f"{recipe_path}: transforms") if tp.transform else None
 
     def rows(self, start: int, end: int) -> np.ndarray:
