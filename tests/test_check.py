@@ -44,7 +44,7 @@ WINDOW = 4  # Mistral's sliding window; the default check sequence must be longe
 VARIANTS = {"bf16": [], "interleaved": ["--rope-layout", "interleaved"], "q8_0": ["--dtype", "q8_0"],
             "noprobe": ["--no-probe"], "f16": ["--dtype", "f16"], "f32": ["--dtype", "f32"], "q4_0": ["--dtype", "q4_0"]}
 JSON_KEYS = {"dtype_class", "reference", "engine", "positions", "max_abs_diff", "max_rel_diff", "top1_agreement", "mean_kl",
-             "max_kl", "ok", "thresholds", "failures", "per_position"}
+             "max_kl", "ok", "thresholds", "failures", "per_position", "model_compared", "model_differences", "notes"}
 runner = CliRunner()
 
 
@@ -487,29 +487,41 @@ def test_missing_torch_cli_names_the_extra(archive, sources):
 def test_against_another_model(archive, sources):
     r = runner.invoke(app, ["check", str(archive("qwen2", "bf16")), "--against", str(sources["qwen3"])])
     assert r.exit_code == 1
-    line = one_line_error(r)
-    assert "vocab_size is 256" in line and "128" in line
-    code, d = check(archive("qwen3", "bf16"), "--against", sources["mistral"])  # same vocab, other weights
-    assert code == 1 and not d["ok"]
+    line = one_line_error(r)  # the archive's recipe does not even handle the other source's architecture
+    assert "Qwen3ForCausalLM is not handled by recipe 'qwen2'" in line
+    r = runner.invoke(app, ["check", str(archive("qwen3", "bf16")), "--against", str(sources["mistral"])])
+    assert r.exit_code == 1 and "MistralForCausalLM is not handled by recipe 'qwen3'" in one_line_error(r)
 
 
-def test_dynamic_rope_skips_the_probe(work):
-    """The reference decoder has no dynamic RoPE: the probe is skipped with a warning, conversion succeeds."""
+@pytest.mark.parametrize("scaling", ["dynamic", "longrope"])
+def test_sequence_dependent_rope_has_a_probe_and_checks(work, scaling):
+    """Dynamic and longrope RoPE (tables that depend on the sequence length) are decoded by the
+    reference decoder: the converter stores a probe, and check passes against it and against
+    transformers on a sequence past the switch point (max_position_embeddings 16 / original 16)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=64, max_position_embeddings=64,
-                      rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
+    if scaling == "dynamic":
+        cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                          num_key_value_heads=2, vocab_size=64, max_position_embeddings=16,
+                          rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
+    else:
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.2, 1.5, 2.0],
+                "long_factor": [2.0, 3.0, 5.0, 8.0], "original_max_position_embeddings": 16}
+        cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                          num_key_value_heads=2, vocab_size=64, max_position_embeddings=64, rope_parameters=rope)
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(work / "src" / "dynamic")
-    out = work / "dynamic.thin"
-    r = runner.invoke(app, ["convert", str(work / "src" / "dynamic"), str(out)])
+    src = work / "src" / scaling
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(src)
+    out = work / f"{scaling}.thin"
+    r = runner.invoke(app, ["convert", str(src), str(out)])
     assert r.exit_code == 0, r.output
-    assert "probe skipped" in r.stderr and "dynamic" in r.stderr
+    assert "probe skipped" not in r.output
     with open_archive(out) as a:
-        assert "probe" not in a.manifest["validation"]
-    r = runner.invoke(app, ["check", str(out)])
-    assert r.exit_code == 2 and "validation.probe" in one_line_error(r)
+        assert a.manifest["validation"]["probe"]["tokens"] and "rope_freqs" not in a.tensor_names
+    code, d = check(out)
+    assert code == 0 and d["ok"], d
+    code, d = check(out, "--against", src)
+    assert code == 0 and d["ok"] and d["positions"] == 24, d  # 16 + 8: past the switch, where the scaling acts
 
 
 # ---------------------------------------------------------------- archives with a tokenizer of our own

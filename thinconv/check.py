@@ -3,6 +3,7 @@ and logit comparisons (with transformers, or with the archive's probe) judged by
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -10,10 +11,14 @@ from typing import Any
 
 import numpy as np
 
+from thinconv.checkpoint.source import Checkpoint, open_checkpoint
 from thinconv.decoder import Decoder, prefill_logits
 from thinconv.errors import ConversionError, ThinError, UsageError
-from thinconv.format import dtypes, spec
+from thinconv.format import dtypes
 from thinconv.format.reader import Archive
+from thinconv.mapping import Entry, map_checkpoint
+from thinconv.probe import default_tokens
+from thinconv.recipe import Registry, load_registry
 
 
 class ArchiveProvider:
@@ -60,6 +65,9 @@ class CheckResult:
     thresholds: dict = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
     engine: str = "decode"  # "decode" (token by token) | "prefill" (layer by layer, for big models)
+    model_differences: list[str] = field(default_factory=list)  # archive `model` vs the source's config
+    model_compared: bool = False  # whether a source's config was available to compare with
+    notes: list[str] = field(default_factory=list)  # what this check could not test, and why
 
     @property
     def ok(self) -> bool:
@@ -67,6 +75,9 @@ class CheckResult:
 
     def summary(self) -> dict:
         p = self.positions
+        if not p:
+            return {"dtype_class": self.dtype_class, "reference": self.reference, "engine": self.engine,
+                    "positions": 0}
         return {"dtype_class": self.dtype_class, "reference": self.reference, "engine": self.engine,
                 "positions": len(p),
                 "max_abs_diff": max(x.max_abs for x in p), "max_rel_diff": max(x.max_rel for x in p),
@@ -75,7 +86,8 @@ class CheckResult:
 
     def to_json(self) -> dict:
         return {**self.summary(), "ok": self.ok, "thresholds": self.thresholds, "failures": self.failures,
-                "per_position": [vars(x) for x in self.positions]}
+                "model_compared": self.model_compared, "model_differences": self.model_differences,
+                "notes": self.notes, "per_position": [vars(x) for x in self.positions]}
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
@@ -120,19 +132,20 @@ THRESHOLDS = {
 
 
 def dtype_class(archive: Archive, source_dtypes: dict[str, str] | None) -> str:
-    """exact (bytes as in the source, up to exact upcasts), float (lossy float cast), q8_0, q4.
-
-    `source_dtypes` maps tensor name → THIN source dtype; without it the probe's record is used."""
-    classes = set()
-    probe_src = archive.manifest["validation"].get("probe", {}).get("source_dtype")
+    """exact (values as in the source, up to exact widening), float (some float values rounded or
+    transformed), q8_0, q4 — from what the converter recorded (validation.quant, validation.lossy),
+    and, for archives from before `lossy` existed, from each matrix's dtype against its source's
+    (`source_dtypes`: tensor name → THIN source dtype; without it the probe's record)."""
+    validation = archive.manifest["validation"]
+    classes = {"float"} if validation.get("lossy") else set()
+    probe_src = validation.get("probe", {}).get("source_dtype")
     for t in archive.manifest["tensors"]:
         if dtypes.is_block(t["dtype"]):
             classes.add(dtypes.get(t["dtype"]).check_class)
-        elif len(t["shape"]) == 2:
+        elif len(t["shape"]) >= 2:
             src = (source_dtypes or {}).get(t["name"], probe_src)
-            exact = src == t["dtype"] or (t["dtype"] == "f32" and src in ("f16", "bf16")) or \
-                (t["dtype"] == "f16" and src == "f16")
-            classes.add("exact" if exact else "float")
+            known = src in dtypes.BY_NAME
+            classes.add("exact" if not known or dtypes.exact_cast(src, t["dtype"]) else "float")
     for c in ("q4", "q8_0", "float", "exact"):
         if c in classes:
             return c
@@ -166,16 +179,28 @@ def transformers_logits(source_root, tokens: list[int], vocab: int | None = None
                          "pip install 'thinconv[check]'") from None
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
-    model = AutoModelForCausalLM.from_pretrained(str(source_root), dtype=torch.float32, attn_implementation="eager")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(source_root), dtype=torch.float32, attn_implementation="eager")
+    except Exception as e:  # transformers raises anything (ValueError, KeyError, its own validation errors)
+        raise ConversionError(f"{source_root}: transformers cannot load this checkpoint ({_first_line(e)})") from None
     model.eval()
     # Another model's checkpoint would fail deep inside torch (ids out of range) or in the comparison.
     rows = model.get_input_embeddings().num_embeddings
     if vocab is not None and rows != vocab:
         raise ConversionError(f"{source_root}: the source has {rows} token embeddings but the archive's vocab_size is "
                               f"{vocab}; is --against the archive's source?")
-    with torch.no_grad():
-        out = model(torch.tensor([tokens]), use_cache=False).logits[0]
+    try:
+        with torch.no_grad():
+            out = model(torch.tensor([tokens]), use_cache=False).logits[0]
+    except Exception as e:
+        raise ConversionError(f"{source_root}: transformers cannot run this checkpoint ({_first_line(e)})") from None
     return out.float().numpy()
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    text = f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 def archive_tokenizer(archive: Archive):
@@ -203,31 +228,164 @@ def parse_tokens(text: str, vocab: int) -> list[int]:
     return tokens
 
 
-def run_check(archive: Archive, tokens: list[int], against: Any | None = None, strict_q4: bool = False) -> CheckResult:
-    """Decode `tokens` on the archive and compare with transformers on `against` (a Checkpoint),
-    or with the archive's own probe when `against` is None."""
-    if not tokens:  # e.g. a --prompt that its tokenizer encodes to nothing
-        raise UsageError("no tokens to compare: give a --prompt that encodes to at least one token, or --tokens")
+CHECK_CAP = 256  # positions `check` decodes at most by default (windows, RoPE switch points)
+
+
+def source_model(archive: Archive, ckpt: Checkpoint, registry: Registry | None = None) -> dict:
+    """The `model` section thinconv derives from `ckpt`'s config with the archive's recipe and options."""
+    conv = archive.manifest["validation"].get("converter") or {}
+    opts = conv.get("options") or {}
+    registry = registry if registry is not None else load_registry([])
+    name = conv.get("recipe")
+    if name is not None and name not in registry.recipes:
+        raise UsageError(f"{archive.path.name} was converted with recipe {name!r}, which is not available here; pass "
+                         f"its folder with --recipes")
+    recipe = registry.select(ckpt.config, name, str(ckpt.root))
+    report = map_checkpoint(ckpt, recipe, opts.get("rope_layout") or archive.model["rope"]["layout"],
+                            compare_tied_head=False, allowed_keys=tuple(opts.get("allow_config_keys") or ()))
+    if report.problems:
+        raise ConversionError(f"{ckpt.root}: does not convert with recipe {recipe.name}: {report.problems[0]}")
+    return report.model
+
+
+def model_differences(archive: Any, source: Any, path: str = "model") -> list[str]:
+    """Every key where the archive's `model` differs from the source's, with both values."""
+    if isinstance(archive, dict) and isinstance(source, dict):
+        out = []
+        for k in sorted(set(archive) | set(source)):
+            a, s = archive.get(k, _ABSENT), source.get(k, _ABSENT)
+            out += model_differences(a, s, f"{path}.{k}")
+        return out
+    if archive == source and type(archive) is type(source) or _same_number(archive, source):
+        return []
+    return [f"{path}: archive {_show(archive)}, source {_show(source)}"]
+
+
+_ABSENT = object()
+
+
+def _same_number(a: Any, b: Any) -> bool:
+    return all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (a, b)) and a == b
+
+
+def _show(v: Any) -> str:
+    if v is _ABSENT:
+        return "absent"
+    text = json.dumps(v)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def check_length(models: list[dict], steps: int | None = None) -> tuple[int, list[str]]:
+    """How many positions to decode so that every window and RoPE switch point the models declare
+    acts (up to CHECK_CAP, and the model's context), and what that leaves untested."""
+    needed, reasons = needed_positions(models)
+    want = max(16, needed)
+    # The context bounds the sequence, except under dynamic RoPE, which exists to run past it.
+    dynamic = any((m["rope"]["scaling"] or {}).get("type") == "dynamic" for m in models)
+    limit = CHECK_CAP if dynamic else min(CHECK_CAP, min(m["max_position_embeddings"] for m in models))
+    if steps is not None:
+        return steps, ([f"--steps {steps} is shorter than what acts ({', '.join(reasons)})"] if steps < needed
+                       else [])
+    if want <= limit:
+        return want, []
+    return limit, [f"{', '.join(reasons)} not exercised: decoding stops at {limit} positions (the cap is "
+                   f"{CHECK_CAP}; --steps N decodes more); the value itself was compared with the source's config"]
+
+
+def needed_positions(models: list[dict]) -> tuple[int, list[str]]:
+    """Positions a sequence needs for every window and RoPE switch point of `models` to act (0: none)."""
+    want, reasons = 0, []
+    for m in models:
+        window = m["attention"]["sliding_window"]
+        if window:
+            want = max(want, window + 8)
+            reasons.append(f"sliding window {window}")
+        scaling = m["rope"]["scaling"] or {}
+        if scaling.get("type") == "longrope":
+            switch = scaling.get("original_max_position_embeddings", m["max_position_embeddings"])
+            want = max(want, int(switch) + 8)
+            reasons.append(f"longrope switch at {switch}")
+        elif scaling.get("type") == "dynamic":
+            want = max(want, m["max_position_embeddings"] + 8)
+            reasons.append(f"dynamic RoPE from {m['max_position_embeddings']}")
+    return want, reasons
+
+
+def run_check(archive: Archive, tokens: list[int] | None = None, against: Checkpoint | None = None, *,
+              steps: int | None = None, strict_q4: bool = False, registry: Registry | None = None) -> CheckResult:
+    """Check `archive`: its `model` section against the one its source's config implies (with
+    `against`, or a source found in the local HF cache), then its logits against transformers on
+    `against` or against its own probe. `tokens` default to a sequence long enough for every
+    window and RoPE switch point (see check_length)."""
     probe = archive.manifest["validation"].get("probe")
     if against is None:  # usage errors first, before the (slow) decode
         if not probe:
             raise UsageError(f"{archive.path.name} has no validation.probe (converted with --no-probe?); "
                              "use --against SRC")
-        if tokens != probe["tokens"][:len(tokens)]:
+        if tokens is not None and tokens != probe["tokens"][:len(tokens)]:
             raise UsageError("comparing against the probe uses the probe's own tokens; drop --prompt/--tokens or "
                              "use --against SRC")
-    logits, engine = archive_logits(archive, tokens)
-    if against is not None:
-        source_dtypes = {}
-        for t in archive.manifest["tensors"]:
-            if t["source"] and all(s in against.tensors for s in t["source"]):
-                source_dtypes[t["name"]] = dtypes.SOURCE_DTYPES.get(against.tensors[t["source"][0]].dtype, "?")
-        reference = transformers_logits(against.root, tokens, archive.model["vocab_size"])
-        result = CheckResult(dtype_class(archive, source_dtypes), "transformers", compare_logits(reference, logits))
+    if tokens is not None and not tokens:  # e.g. a --prompt that its tokenizer encodes to nothing
+        raise UsageError("no tokens to compare: give a --prompt that encodes to at least one token, or --tokens")
+    source = against if against is not None else _cached_source(archive)
+    reference = "transformers" if against is not None else "probe"
+    result = CheckResult(dtype_class(archive, _source_dtypes(archive, source)), reference)
+    if source is not None:
+        result.model_compared = True
+        result.model_differences = model_differences(archive.model, source_model(archive, source, registry))
+        if result.model_differences:
+            n = len(result.model_differences)
+            result.failures.append(f"the model section differs from the one the source's config implies ({n} key"
+                                   f"{'s' * (n > 1)}): " + "; ".join(result.model_differences[:3]))
     else:
-        result = CheckResult(dtype_class(archive, None), "probe", compare_probe(probe, logits))
-    result.engine = engine
+        result.notes.append("the model section was not compared with the source's config (give --against SRC)")
+    if against is None:
+        n = len(probe["tokens"]) if steps is None else min(steps, len(probe["tokens"]))
+        tokens = tokens or probe["tokens"][:n]
+        if len(probe["tokens"]) < needed_positions([archive.model])[0]:
+            result.notes.append(f"the probe covers {len(probe['tokens'])} positions: a window or RoPE switch beyond "
+                                f"them is not exercised (give --against SRC)")
+    elif tokens is None:
+        models = [archive.model, source_model(archive, against, registry)]
+        n, untested = check_length(models, steps)
+        result.notes += untested
+        tokens = default_tokens(archive.model, n, within_context=False)  # check_length bounded n
+    try:
+        logits, result.engine = archive_logits(archive, tokens)
+    except ThinError as e:
+        if not result.model_differences:
+            raise
+        result.notes.append(f"the archive could not be decoded: {e}")  # the differences are the verdict
+        return result
+    if against is not None:
+        reference_logits = transformers_logits(against.root, tokens, archive.model["vocab_size"])
+        result.positions = compare_logits(reference_logits, logits)
+    else:
+        result.positions = compare_probe(probe, logits)
     return judge(result, strict_q4)
+
+
+def _cached_source(archive: Archive) -> Checkpoint | None:
+    """The archive's hub source, when its snapshot is in the local HF cache (read offline); else None."""
+    src = archive.manifest["validation"].get("source") or {}
+    if not src.get("repo_id") or not src.get("commit"):
+        return None
+    try:
+        return open_checkpoint(src["repo_id"], revision=src.get("revision"), commit=src["commit"], local_only=True,
+                               token=os.environ.get("HF_TOKEN"))
+    except ThinError:
+        return None
+
+
+def _source_dtypes(archive: Archive, source: Checkpoint | None) -> dict[str, str] | None:
+    if source is None:
+        return None
+    out = {}
+    for t in archive.manifest["tensors"]:
+        names = [Entry.parse(e).name for e in t["source"]]
+        if names and all(n in source.tensors for n in names):
+            out[t["name"]] = dtypes.SOURCE_DTYPES.get(source.tensors[names[0]].dtype, "?")
+    return out
 
 
 def archive_logits(archive: Archive, tokens: list[int], memory_budget: int | None = None) -> tuple[np.ndarray, str]:
@@ -236,12 +394,9 @@ def archive_logits(archive: Archive, tokens: list[int], memory_budget: int | Non
     Token by token with a KV cache ("decode") when the model's float32 weights fit in a quarter of
     this machine's memory; otherwise layer by layer with the weights streamed ("prefill": same
     model, bounded memory), so a big archive can still be checked against its probe."""
-    m = archive.model
     need = 4 * sum(math.prod(t["shape"]) for t in archive.manifest["tensors"])
     if memory_budget is None:
         memory_budget = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
     if need <= memory_budget:
         return Decoder(ArchiveProvider(archive)).logits_for(tokens), "decode"
-    if not spec.rope_freqs_present(m):
-        raise ConversionError("the reference decoder needs a rope_freqs table (static RoPE scaling)")
     return prefill_logits(ArchiveProvider(archive, release=True), tokens), "prefill"

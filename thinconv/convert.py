@@ -26,7 +26,7 @@ from threadpoolctl import threadpool_limits
 
 import thinconv
 from thinconv.checkpoint.source import Checkpoint, open_checkpoint
-from thinconv.errors import ConversionError, PackError, RecipeError, ThinFormatError
+from thinconv.errors import ConversionError, PackError, ThinFormatError
 from thinconv.format import spec
 from thinconv.format.reader import open_archive
 from thinconv.format.writer import (
@@ -36,7 +36,7 @@ from thinconv.pages import PageMaker, PageOutput, RunningStats
 from thinconv.mapping import tied_head_problem
 from thinconv.plan import AssetPlan, ConvertOptions, Plan, TensorPlan, plan_conversion
 from thinconv.probe import PROBE_TOKENS, PROBE_TOP_K, conversion_probe, default_tokens
-from thinconv.recipe import Registry, Recipe, load_registry
+from thinconv.recipe import Registry, load_registry
 
 
 class Progress(Protocol):
@@ -356,7 +356,7 @@ _QUANT_PLACEHOLDER = {"rmse": 0.00012345678901234567, "max_abs_err": 0.012345678
 
 
 def _probe_placeholder(plan: Plan) -> dict | None:
-    if not plan.options.probe or not spec.rope_freqs_present(plan.model):
+    if not plan.options.probe:
         return None
     tokens = default_tokens(plan.model, PROBE_TOKENS)
     ids = [plan.model["vocab_size"] - 1] * PROBE_TOP_K
@@ -390,6 +390,9 @@ def _manifest(ckpt: Checkpoint, plan: Plan, jobs: list[_PageJob], checksums: lis
     }
     if quant:
         validation["quant"] = quant
+    lossy = {tp.name: tp.lossy for tp in plan.tensors if tp.lossy}
+    if lossy:  # absent when every tensor is an exact copy or widening of its source (or quantized)
+        validation["lossy"] = lossy
     if probe is not None:
         validation["probe"] = probe
     return {"format": "thin", "format_version": spec.VERSION, "alignment": spec.ALIGNMENT, "model": plan.model,
@@ -425,18 +428,6 @@ def _tensor_entry(tp: TensorPlan) -> dict:
             "pages": [spec.page_id(tp.name, k) for k in range(len(tp.pages))]}
 
 
-def select_recipe(registry: Registry, ckpt: Checkpoint, recipe_name: str | None, label: str) -> Recipe:
-    """The recipe for `ckpt`: by config.json's architectures, or the named one if it handles them."""
-    archs = ckpt.config.get("architectures") or []
-    if recipe_name is None:
-        return registry.for_architecture(archs, f"{label}/config.json")
-    recipe = registry.get(recipe_name)
-    if not set(archs) & set(recipe.architectures):
-        raise RecipeError(f"{label}/config.json: architecture {', '.join(archs) or '(none)'} is not handled by recipe "
-                          f"{recipe.name!r} ({', '.join(recipe.architectures)}); try `thinconv convert`")
-    return recipe
-
-
 @contextmanager
 def open_plan(src: str | os.PathLike, options: ConvertOptions | None = None, *, recipe: str | None = None,
               revision: str | None = None, token: str | None = None, registry: Registry | None = None,
@@ -450,7 +441,7 @@ def open_plan(src: str | os.PathLike, options: ConvertOptions | None = None, *, 
     registry = registry if registry is not None else load_registry([])
     token = token if token is not None else os.environ.get("HF_TOKEN")
     with open_checkpoint(src, revision=revision, token=token, commit=commit) as ckpt:
-        yield ckpt, plan_conversion(ckpt, select_recipe(registry, ckpt, recipe, str(src)), options or ConvertOptions())
+        yield ckpt, plan_conversion(ckpt, registry.select(ckpt.config, recipe, str(src)), options or ConvertOptions())
 
 
 def convert_source(src: str | os.PathLike, out: str | os.PathLike, *, options: ConvertOptions | None = None,

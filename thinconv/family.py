@@ -16,8 +16,6 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from thinconv import expr
 from thinconv.errors import ConversionError, RecipeError
 from thinconv.format import schema
@@ -105,7 +103,8 @@ class FamilyRules:
 
 def _round_to(x: float, dtype: str) -> float:
     """x rounded to a float dtype ("bf16", "f16", "f32") and back, as a model running in it sees it."""
-    import ml_dtypes  # lazy: only Gemma-style recipes round (recipe loading stays light)
+    import ml_dtypes  # lazy: only Gemma-style recipes round (recipe loading, CLI start-up, stays light)
+    import numpy as np
 
     code = {"bf16": ml_dtypes.bfloat16, "f16": np.float16, "f32": np.float32, "f64": np.float64}.get(dtype)
     if code is None:

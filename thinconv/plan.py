@@ -105,6 +105,18 @@ class TensorPlan:
                 "source_dtype": source}
 
     @property
+    def lossy(self) -> str | None:
+        """What the converter changed in this tensor's values, when not an exact copy or widening
+        (block quantization is recorded on its own, in validation.quant)."""
+        if dtypes.is_block(self.dtype) or not self.sources:
+            return None
+        if self.transform:
+            return f"transform {self.transform}"
+        if self.fp8_block is not None and self.dtype != "f32":
+            return f"fp8 × block scale → {self.dtype}"
+        return None if dtypes.exact_cast(self.source_dtype, self.dtype) else f"cast {self.source_dtype} → {self.dtype}"
+
+    @property
     def hints(self) -> dict:
         if len(self.shape) == 1:
             return {"placement": "device", "access": "elementwise"}

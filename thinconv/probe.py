@@ -12,7 +12,6 @@ from dataclasses import replace
 import numpy as np
 
 from thinconv.decoder import prefill_logits
-from thinconv.format import spec
 from thinconv.rope import derived_tables
 from thinconv.rows import TensorSource
 
@@ -53,12 +52,14 @@ class SourceProvider:
         return self._sources[name].tp.shape
 
 
-def default_tokens(model: dict, n: int | None = None) -> list[int]:
-    """A fixed, spread-out token sequence; longer than any sliding window so the window is exercised."""
+def default_tokens(model: dict, n: int | None = None, *, within_context: bool = True) -> list[int]:
+    """A fixed, spread-out token sequence; longer than any sliding window so the window is exercised
+    (at most the model's context unless `within_context` is false)."""
     window = model["attention"]["sliding_window"]
     if n is None:
         n = max(16, window + 8) if window else 16
-    n = min(n, model["max_position_embeddings"])
+    if within_context:
+        n = min(n, model["max_position_embeddings"])
     vocab = model["vocab_size"]
     bos = model["special_tokens"]["bos"]
     body = [(7919 * i + 104729) % vocab for i in range(n)]
@@ -69,12 +70,9 @@ def conversion_probe(ckpt, plan, wait=None) -> tuple[dict | None, str | None]:
     """The probe for `plan`, computed from the source weights; (None, reason) when skipped.
 
     `wait(name, end)` is called before rows [.., end) of a tensor are read (see StreamGate)."""
-    if not spec.rope_freqs_present(plan.model):  # the reference decoder needs a static rope_freqs table
-        kind = plan.model["rope"]["scaling"]["type"]
-        return None, f"probe skipped: the reference decoder does not implement {kind!r} RoPE scaling"
     counts: dict[str, int] = {}
     for t in plan.tensors:
-        if len(t.shape) == 2:
+        if len(t.shape) >= 2:
             counts[t.source_dtype] = counts.get(t.source_dtype, 0) + 1
     with np.errstate(all="ignore"):  # non-finite weights are reported by the conversion itself
         probe = make_probe(SourceProvider(ckpt, plan, wait))

@@ -26,6 +26,7 @@ from thinconv.errors import ConversionError, RecipeError
 from thinconv.family import FamilyRules
 from thinconv.format import dtypes, spec
 from thinconv.modelmeta import MetadataRules
+from thinconv.transforms import load_user_transforms
 
 LAYER = "{L}"
 EXPERT = "{E}"
@@ -289,6 +290,18 @@ class Registry:
         except KeyError:
             raise RecipeError(f"no recipe named {name!r} (available: {', '.join(sorted(self.recipes))})") from None
 
+    def select(self, config: dict, recipe_name: str | None, label: str) -> Recipe:
+        """The recipe for a checkpoint: by config.json's architectures, or the named one if it handles them."""
+        archs = config.get("architectures") or []
+        archs = archs if isinstance(archs, list) else []
+        if recipe_name is None:
+            return self.for_architecture(archs, f"{label}/config.json")
+        recipe = self.get(recipe_name)
+        if not set(map(str, archs)) & set(recipe.architectures):
+            raise RecipeError(f"{label}/config.json: architecture {', '.join(map(str, archs)) or '(none)'} is not handled "
+                              f"by recipe {recipe.name!r} ({', '.join(recipe.architectures)}); try `thinconv convert`")
+        return recipe
+
     def for_architecture(self, architectures: Iterable[str], where: str = "config.json") -> Recipe:
         archs = list(architectures)
         for arch in archs:
@@ -321,6 +334,7 @@ def load_registry(extra_dirs: Iterable[str | os.PathLike] = (), extra_files: Ite
                                       if f.name.endswith(".toml")]
     for d in recipe_dirs(extra_dirs):
         sources += [(f, str(f)) for f in sorted(d.glob("*.toml"))]
+        load_user_transforms(d)
     for f in extra_files:
         if not Path(f).is_file():
             raise RecipeError(f"{f}: recipe file not found")

@@ -103,14 +103,15 @@ class Checkpoint:
 
 
 def open_checkpoint(src: str | Path, *, revision: str | None = None,
-                    token: str | None = None, commit: str | None = None) -> Checkpoint:
+                    token: str | None = None, commit: str | None = None, local_only: bool = False) -> Checkpoint:
     """Open a local checkpoint folder or a hub repo id (``org/name``, via the HF cache).
 
     An existing folder wins over a repo id of the same spelling; a :class:`Path` is never a repo id.
     Hub downloads fetch configs, index and tokenizer files first, then only the shards the index
     names (all root ``*.safetensors`` without an index), both from the same resolved commit.
     ``commit`` pins a hub source to a commit resolved earlier (e.g. by a batch run) while the
-    archive still records ``revision`` as asked.
+    archive still records ``revision`` as asked. ``local_only`` reads a hub source from the cache
+    alone (never the network).
     """
     path = Path(src).expanduser()
     if path.is_dir():
@@ -123,7 +124,7 @@ def open_checkpoint(src: str | Path, *, revision: str | None = None,
         repo_id, label = src, src
         revision = revision or "main"
         try:
-            root = hub_download(repo_id, commit or revision, token, _HUB_META_PATTERNS)
+            root = hub_download(repo_id, commit or revision, token, _HUB_META_PATTERNS, local_only)
         except CheckpointError as error:
             if path.parent.is_dir():  # `examples/typo`: most likely a mistyped local path
                 raise CheckpointError(f"{src}: no such local folder (in {path.parent}/); read as a hub repo "
@@ -133,7 +134,7 @@ def open_checkpoint(src: str | Path, *, revision: str | None = None,
         index = _read_index(root, label)
         shard_patterns = sorted(set(index.values())) if index is not None else ["*.safetensors"]
         # Pin the commit so both downloads come from the same snapshot.
-        hub_download(repo_id, commit, token, shard_patterns)
+        hub_download(repo_id, commit, token, shard_patterns, local_only)
     elif path.exists():
         raise CheckpointError(f"{src}: is a file, expected a checkpoint folder or a hub repo id"
                               " (org/name)")
@@ -179,7 +180,8 @@ def looks_like_repo_id(src: str) -> bool:
     return True
 
 
-def hub_download(repo_id: str, revision: str, token: str | None, patterns: list[str]) -> Path:
+def hub_download(repo_id: str, revision: str, token: str | None, patterns: list[str],
+                 local_only: bool = False) -> Path:
     """Download the files of `repo_id` at `revision` matching `patterns` into the HF cache and
     return the snapshot folder (``snapshot_download``: honours HF_HOME, HF_TOKEN, HF_HUB_OFFLINE).
     Every failure is a one-line :class:`CheckpointError`."""
@@ -198,7 +200,8 @@ def hub_download(repo_id: str, revision: str, token: str | None, patterns: list[
     incomplete = tuple(filter(None, [getattr(errors, "IncompleteSnapshotError", None)]))
     where = f"{repo_id}@{revision}"
     try:
-        folder = snapshot_download(repo_id, revision=revision, token=token, allow_patterns=patterns)
+        folder = snapshot_download(repo_id, revision=revision, token=token, allow_patterns=patterns,
+                                   local_files_only=local_only)
     except incomplete:
         raise CheckpointError(f"{where}: the cached snapshot is incomplete and the Hub cannot be"
                               " reached; download it again with network access") from None

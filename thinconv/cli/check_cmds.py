@@ -25,51 +25,57 @@ def check(archive: Path = typer.Argument(..., help="A .thin archive."),
                                               "any sliding window)."),
           revision: Optional[str] = typer.Option(None, "--revision", help="Hub revision of --against."),
           strict: bool = typer.Option(False, "--strict", help="Also hold q4 archives to a KL bound."),
+          recipes: list[Path] = typer.Option([], "--recipes", help="Extra recipe folder (repeatable): the "
+                                             "archive's recipe, when it is not built in."),
           as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
     """Prove the archive computes what the source computes: per-position logit differences,
     top-1 agreement and KL, judged against bounds for the archive's dtype class."""
     from thinconv.check import archive_tokenizer, parse_tokens, run_check
-    from thinconv.probe import default_tokens
+    from thinconv.checkpoint.source import open_checkpoint
     from thinconv.format.reader import open_archive
+    from thinconv.recipe import load_registry
 
     with reported(), open_archive(archive) as a:
         if prompt is not None and tokens is not None:
             raise UsageError("give --prompt or --tokens, not both")
         if steps is not None and steps < 1:
             raise UsageError(f"--steps {steps}: expected ≥ 1")
+        ids = None
         if tokens is not None:
             ids = parse_tokens(tokens, a.model["vocab_size"])
         elif prompt is not None:
             ids = archive_tokenizer(a).encode(prompt).ids
-        elif against is None and a.manifest["validation"].get("probe"):
-            ids = a.manifest["validation"]["probe"]["tokens"]
-        else:
-            ids = default_tokens(a.model, steps)
-        if steps is not None:
+        if ids is not None and steps is not None:
             ids = ids[:steps]
+        registry = load_registry(recipes)
         if against is not None:
-            from thinconv.checkpoint.source import open_checkpoint
-
             with open_checkpoint(against, revision=revision, token=os.environ.get("HF_TOKEN")) as ckpt:
-                result = run_check(a, ids, ckpt, strict_q4=strict)
+                result = run_check(a, ids, ckpt, steps=steps, strict_q4=strict, registry=registry)
         else:
-            result = run_check(a, ids, None, strict_q4=strict)
+            result = run_check(a, ids, None, steps=steps, strict_q4=strict, registry=registry)
     if as_json:
         print_json(result.to_json())
         raise typer.Exit(0 if result.ok else 1)
-    how = " (computed layer by layer: the model exceeds the decode memory budget)" if result.engine == "prefill" else ""
-    table = Table(title=f"{archive}: {result.dtype_class} archive vs {result.reference}{how}",
-                  title_justify="left")
-    for col in ("pos", "max |Δlogit|", "rel", "top-1", "KL"):
-        table.add_column(col, justify="right")
-    for p in result.positions:
-        table.add_row(str(p.position), f"{p.max_abs:.3g}", f"{p.max_rel:.3g}", "✓" if p.top1_match else "✗",
-                      f"{p.kl:.3g}")
-    out.print(table)
-    s = result.summary()
-    out.print(f"overall: max |Δlogit| {s['max_abs_diff']:.3g} (rel {s['max_rel_diff']:.3g}), top-1 "
-              f"{100 * s['top1_agreement']:.1f} %, mean KL {s['mean_kl']:.3g}, max KL {s['max_kl']:.3g}")
-    if not result.thresholds:
+    if result.model_compared:
+        verdict = "differs" if result.model_differences else "matches"
+        out.print(f"model section {verdict} the one the source's config implies")
+    if result.positions:
+        how = " (computed layer by layer: the model exceeds the decode memory budget)" if result.engine == "prefill" \
+            else ""
+        table = Table(title=f"{archive}: {result.dtype_class} archive vs {result.reference}{how}",
+                      title_justify="left")
+        for col in ("pos", "max |Δlogit|", "rel", "top-1", "KL"):
+            table.add_column(col, justify="right")
+        for p in result.positions:
+            table.add_row(str(p.position), f"{p.max_abs:.3g}", f"{p.max_rel:.3g}", "✓" if p.top1_match else "✗",
+                          f"{p.kl:.3g}")
+        out.print(table)
+        s = result.summary()
+        out.print(f"overall: max |Δlogit| {s['max_abs_diff']:.3g} (rel {s['max_rel_diff']:.3g}), top-1 "
+                  f"{100 * s['top1_agreement']:.1f} %, mean KL {s['mean_kl']:.3g}, max KL {s['max_kl']:.3g}")
+    for note in result.notes:
+        out.print(f"note: {note}")
+    if result.ok and not result.thresholds:
         out.print(f"{result.dtype_class}: reported only (use --strict to apply a bound)")
     elif result.ok:
         out.print(f"[bold green]PASS[/] within the {result.dtype_class} bounds "

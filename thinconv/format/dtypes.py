@@ -70,6 +70,12 @@ def is_block(name: str) -> bool:
     return name in BLOCK_DTYPES
 
 
+def exact_cast(source: str, target: str) -> bool:
+    """Whether every value of dtype `source` is exactly representable in `target`: the same dtype,
+    a widening to f32, or an f8 value (which every archive float dtype holds)."""
+    return source == target or (target == "f32" and get(source).exact_f32) or source in ("f8_e4m3", "f8_e5m2")
+
+
 def row_bytes(name: str, cols: int) -> int:
     """Bytes in one row of `cols` values of archive dtype `name`."""
     return get(name).row_bytes(cols)

@@ -500,7 +500,7 @@ def _check_tensor_page(c: _Checker, pg: dict, path: str, t: dict, row_cursor: di
 
 def _check_validation(c: _Checker, v: Any, names: set[str]) -> None:
     p = "validation"
-    if not c.obj(v, p, (), optional=("converter", "source", "stats", "quant", "probe")):
+    if not c.obj(v, p, (), optional=("converter", "source", "stats", "quant", "probe", "lossy")):
         return
     # Sections may be absent, but a present one has its type: readers (e.g. summarize) rely on it.
     conv = v.get("converter")
@@ -541,6 +541,11 @@ def _check_validation(c: _Checker, v: Any, names: set[str]) -> None:
                     c.int(entry.get(k), f"{ep}.{k}", lo=0)
     if "probe" in v:
         c.obj(v["probe"], f"{p}.probe")
+    if "lossy" in v and c.obj(v["lossy"], f"{p}.lossy"):  # tensor → what the converter changed in its values
+        for name, why in v["lossy"].items():
+            if name not in names:
+                c.r.add(f"{p}.lossy.{name}", "names no tensor of this archive")
+            c.str(why, f"{p}.lossy.{name}")
 
 
 def validate_model(model: Any) -> ValidationReport:
