@@ -4,8 +4,8 @@
 The accounting is what keeps a converter from writing an archive for a model it does not fully
 understand: every key present in config.json must be read by the reader or an expression, be
 one of the keys that never change the computation (`NO_EFFECT_KEYS`, or the recipe's own
-`understood` list), hold an "off" value (null, false, empty), or be allowed by the user with
-`--allow-config-key` — else the conversion stops, naming the key.
+`understood` list), hold an "off" value (null, false, empty; not for `DEFAULT_ON_KEYS`), or be
+allowed by the user with `--allow-config-key` — else the conversion stops, naming the key.
 """
 
 from __future__ import annotations
@@ -36,6 +36,10 @@ length_penalty no_repeat_ngram_size encoder_no_repeat_ngram_size bad_words_ids n
 return_dict_in_generate forced_bos_token_id forced_eos_token_id remove_invalid_values
 exponential_decay_length_penalty suppress_tokens begin_suppress_tokens num_beam_groups diversity_penalty
 """.split())
+
+# Keys transformers reads with a TRUE default (`getattr(config, key, True)`): there, null or false is
+# not "off" but a change (`is_causal`: masking_utils makes every family's attention bidirectional).
+DEFAULT_ON_KEYS = frozenset({"is_causal"})
 
 # transformers' activation names → `mlp.activation`
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
@@ -177,7 +181,7 @@ def unaccounted_keys(config: RecordingConfig, rules: FamilyRules, allowed: tuple
         value = config._data[key]
         if key in config.read or key in NO_EFFECT_KEYS or key in rules.understood or key in allowed:
             continue
-        if value is None or value is False or value == [] or value == {}:
+        if (value is None or value is False or value == [] or value == {}) and key not in DEFAULT_ON_KEYS:
             continue
         out.append(key)
     return out

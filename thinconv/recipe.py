@@ -30,6 +30,14 @@ from thinconv.transforms import load_user_transforms
 
 LAYER = "{L}"
 EXPERT = "{E}"
+HEAD = "{H}"
+# {H} stands for every attention head whose rows a tensor holds, in order: the query heads of the
+# query-side roles, the key/value heads of the key- and value-side roles (per-head source tensors,
+# e.g. StableLM's q_layernorm.norms.{h}.weight, concatenated on dim 0).
+HEAD_COUNTS = {"attn_q.weight": "num_attention_heads", "attn_q.bias": "num_attention_heads",
+               "attn_q_norm.weight": "num_attention_heads", "attn_k.weight": "num_kv_heads",
+               "attn_k.bias": "num_kv_heads", "attn_k_norm.weight": "num_kv_heads", "attn_v.weight": "num_kv_heads",
+               "attn_v.bias": "num_kv_heads"}
 # Each recipe becomes a sub-command, so it cannot take a built-in command's name.
 RESERVED_NAMES = frozenset({"inspect", "verify", "pack", "unpack", "convert", "recipes", "recipe", "check", "run",
                             "batch"})
@@ -43,18 +51,23 @@ _TABLE_KEYS = ("tensors", "metadata", "keep", "transforms", "model")
 @dataclass(frozen=True)
 class SourceSpec:
     """One way to read a canonical tensor: source name patterns concatenated along dim 0, a
-    pattern with {E} standing for every expert in order (stacked), and optionally `rows`, an
-    expression giving the [a, b) row ranges of the one pattern to read (addendum §4: NAME[a:b])."""
+    pattern with {E} standing for every expert in order (stacked), one with {H} for every head
+    of the tensor in order (concatenated; see HEAD_COUNTS), and optionally `rows`, an expression
+    giving the [a, b) row ranges of the one pattern to read (addendum §4: NAME[a:b])."""
 
     patterns: tuple[str, ...]
     rows: ast.Expression | None = None
 
-    def names(self, layer: int | None, model: dict, where: str) -> list[str]:
-        """The manifest `source` entries for one tensor (slices spelled NAME[a:b])."""
+    def names(self, layer: int | None, model: dict, where: str, heads: int | None = None) -> list[str]:
+        """The manifest `source` entries for one tensor (slices spelled NAME[a:b]); `heads` is
+        the number of heads {H} stands for."""
         out = []
         experts = ((model.get("moe") or {}).get("num_experts") or 0)
         for p in self.patterns:
             p = p.replace(LAYER, str(layer)) if layer is not None else p
+            if HEAD in p:
+                out += [p.replace(HEAD, str(h)) for h in range(heads or 0)]
+                continue
             out += [p.replace(EXPERT, str(e)) for e in range(experts)] if EXPERT in p else [p]
         if self.rows is None:
             return out
@@ -133,7 +146,8 @@ class Recipe:
             return None
         layer = spec.split_name(canonical)[1]
         where = f"{self.path}: tensors.{rule.canonical!r}"
-        return [alt.names(layer, model or {}, where) for alt in rule.alternatives]
+        heads = (model or {}).get(HEAD_COUNTS.get(rule.role, ""))
+        return [alt.names(layer, model or {}, where, heads) for alt in rule.alternatives]
 
     def sources_for(self, canonical: str, model: dict | None = None) -> list[str] | None:
         """The first alternative's source entries for a canonical tensor (None: no rule)."""
@@ -149,6 +163,7 @@ def _compile(pattern: str) -> re.Pattern:
     if rx is None:
         text = re.escape(pattern).replace(re.escape(LAYER), f"(?P<L>{_INDEX_RE})", 1)
         text = text.replace(re.escape(LAYER), "(?P=L)").replace(re.escape(EXPERT), _INDEX_RE)
+        text = text.replace(re.escape(HEAD), _INDEX_RE)
         rx = _COMPILED[pattern] = re.compile(text)
     return rx
 
@@ -209,6 +224,9 @@ def _rule(canonical: str, value: Any, err: Callable[[str, str], RecipeError]) ->
             if EXPERT in pat and (not spec.ROLE[role].experts or pat.count(EXPERT) > 1):
                 raise err(where, f"source pattern {pat!r}: {{E}} (once) stands for the experts of an expert tensor "
                                  f"(ffn_*_exps) only")
+            if HEAD in pat and (role not in HEAD_COUNTS or pat.count(HEAD) > 1):
+                raise err(where, f"source pattern {pat!r}: {{H}} (once) stands for the heads of a per-head tensor "
+                                 f"({', '.join(HEAD_COUNTS)}) only")
     return TensorRule(canonical, tuple(alternatives))
 
 
@@ -221,8 +239,8 @@ def _spec(table: dict, where: str, err: Callable[[str, str], RecipeError]) -> So
     if not (isinstance(patterns, list) and patterns and all(isinstance(p, str) and p for p in patterns)):
         raise err(where, "expected a source name pattern or a list of them")
     rows = table.get("rows")
-    if rows is not None and (len(patterns) != 1 or EXPERT in patterns[0]):
-        raise err(where, "rows slice one source pattern (without {E})")
+    if rows is not None and (len(patterns) != 1 or EXPERT in patterns[0] or HEAD in patterns[0]):
+        raise err(where, "rows slice one source pattern (without {E} or {H})")
     return SourceSpec(tuple(patterns), expr.parse(rows, f"{where}: rows") if rows is not None else None)
 
 
