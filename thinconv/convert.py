@@ -26,11 +26,11 @@ from threadpoolctl import threadpool_limits
 
 import thinconv
 from thinconv.checkpoint.source import Checkpoint, open_checkpoint
-from thinconv.errors import ConversionError, PackError, ThinFormatError
+from thinconv.errors import ConversionError, ThinFormatError
 from thinconv.format import spec
 from thinconv.format.reader import open_archive
 from thinconv.format.writer import (
-    head_bytes, move_data, page_offsets, plan_layout, pwrite_all, start_writeback, write_atomically,
+    check_output, head_bytes, move_data, page_offsets, plan_layout, pwrite_all, start_writeback, write_atomically,
 )
 from thinconv.pages import PageMaker, PageOutput, RunningStats
 from thinconv.mapping import tied_head_problem
@@ -196,7 +196,7 @@ def convert(ckpt: Checkpoint, plan: Plan, out: str | os.PathLike, *, force: bool
     t0 = time.perf_counter()
     progress = progress or _NoProgress()
     out = Path(out)
-    check_output(out, force)
+    check_output(out, force, [f.path for f in ckpt.files])
     tied = tied_head_problem(ckpt, plan.mapping)  # the one value check planning leaves to conversion
     if tied:
         raise ConversionError(f"{ckpt.root}: {tied}")
@@ -406,20 +406,6 @@ def _provenance(ckpt: Checkpoint, plan: Plan) -> dict:
     if plan.mapping.fp8 is not None:
         source["quantization"] = plan.mapping.fp8.config
     return source
-
-
-def check_output(out: Path, force: bool) -> None:
-    """Fail before any work (or download) when the output cannot be written: it exists without
-    `force`, is a folder, or its folder is missing or read-only. The writer re-checks at the end."""
-    if out.exists() and not force:
-        raise PackError(f"{out} already exists (use --force to overwrite)")
-    if out.is_dir():
-        raise PackError(f"{out} is a directory")
-    folder = out.parent if str(out.parent) else Path(".")
-    if not folder.is_dir():
-        raise PackError(f"output folder {folder} does not exist")
-    if not os.access(folder, os.W_OK):
-        raise PackError(f"output folder {folder} is not writable")
 
 
 def _tensor_entry(tp: TensorPlan) -> dict:

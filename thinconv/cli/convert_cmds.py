@@ -37,7 +37,8 @@ def run_conversion(src: str, output: Path, recipe_name: Optional[str], dtype: st
                    revision: Optional[str], rope_layout: str, keep: list[str], force: bool, strict: bool,
                    dry_run: bool, as_json: bool, recipes: list[Path], probe: bool = True,
                    allow_config_keys: tuple[str, ...] = ()) -> None:
-    from thinconv.convert import check_output, convert, open_plan
+    from thinconv.convert import convert, open_plan
+    from thinconv.format.writer import check_output
     from thinconv.plan import ConvertOptions, parse_keep, parse_page_size
     from thinconv.recipe import load_registry
 

@@ -63,6 +63,8 @@ def unpack(archive: Archive, dest: str | os.PathLike, *, force: bool = False) ->
     Written to a temp folder beside `dest` and renamed, so a failure leaves nothing behind.
     Returns the number of page files written."""
     dest = Path(dest)
+    if archive.path.resolve().is_relative_to(dest.resolve()):
+        raise PackError(f"{dest} holds {archive.path}, the archive being unpacked; unpack it elsewhere")
     if dest.exists():
         if not dest.is_dir():
             raise PackError(f"{dest} exists and is not a directory")

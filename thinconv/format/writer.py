@@ -11,6 +11,7 @@ import errno
 import functools
 import math
 import os
+import stat
 import sys
 import threading
 import tempfile
@@ -159,6 +160,36 @@ def plan_layout(manifest: dict) -> Layout:
     return Layout(mbytes, table, data_off, offsets, file_size, blake3.blake3(mbytes + table).digest())
 
 
+def check_output(out: Path, force: bool, reads: Iterable[Path] = ()) -> None:
+    """Refuse an output that cannot or must not be written, before any work: it exists without
+    `force`; it is not a regular file (a folder, a device such as /dev/null, a FIFO); it is — or
+    resolves through symlinks or hard links to — one of the files this command `reads`; its folder
+    is missing or read-only. The writer replaces `out` itself, never a symlink's target."""
+    if os.path.lexists(out):
+        if not force:
+            raise PackError(f"{out} already exists (use --force to overwrite)")
+        try:
+            st = os.stat(out)
+        except OSError:
+            st = None  # a dangling symlink: replaced by the archive
+        if st is not None and stat.S_ISDIR(st.st_mode):
+            raise PackError(f"{out} is a directory")
+        if st is not None and not stat.S_ISREG(st.st_mode):
+            raise PackError(f"{out} is not a regular file; the output must be a regular file or absent")
+        for path in reads:
+            try:
+                same = os.path.samefile(out, path)
+            except OSError:
+                continue
+            if same:
+                raise PackError(f"{out} is {path}, which this command reads; write the output elsewhere")
+    folder = out.parent if str(out.parent) else Path(".")
+    if not folder.is_dir():
+        raise PackError(f"output folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise PackError(f"output folder {folder} is not writable")
+
+
 def pack(manifest: dict, page_sources: Mapping[str, SourceLike], out_path: str | os.PathLike, *,
          force: bool = False, progress: Callable[[int], None] | None = None) -> PackResult:
     """Validate `manifest`, check every page source against it, and write the archive atomically.
@@ -170,11 +201,8 @@ def pack(manifest: dict, page_sources: Mapping[str, SourceLike], out_path: str |
     out = Path(out_path)
     report = validate_manifest(manifest)
     report.raise_if_invalid("manifest", PackError)
-    if out.exists() and not force:
-        raise PackError(f"{out} already exists (use --force to overwrite)")
-    if out.is_dir():
-        raise PackError(f"{out} is a directory")
     sources = {pid: as_page_source(s) for pid, s in page_sources.items()}
+    check_output(out, force, [s.path for s in sources.values() if isinstance(s, FilePage)])
     declared = {p["id"]: p for p in manifest["pages"]}
     for pid in declared:
         if pid not in sources:
