@@ -263,11 +263,39 @@ def _rope_per_layer_type(config: Mapping[str, Any], *, head_dim: int, max_pos: i
         raise ConversionError(f"{_CONFIG}: rope_parameters: unknown layer type {unknown[0]!r}")
     ropes = {}
     for kind in ("full_attention", "sliding_attention"):
-        sub = {**config, "rope_parameters": params.get(kind) or {}}
-        sub.pop("rope_scaling", None)
+        # not {**config, …}: that would read (and so account for) every key of config.json
+        sub = _Overlay(config, {"rope_parameters": params.get(kind) or {}, "rope_scaling": None})
         ropes[kind] = _rope(sub, head_dim=head_dim, max_pos=max_pos, layout=layout)
     s = ropes["sliding_attention"]
     return ropes["full_attention"], {"theta": s["theta"], "scaling": s["scaling"], "attention_factor": s["attention_factor"]}
+
+
+class _Overlay(Mapping):
+    """`base` with some keys replaced (a None value: absent). Every other key is looked up in `base`
+    only when asked for, so a RecordingConfig base records exactly the keys read."""
+
+    def __init__(self, base: Mapping[str, Any], over: dict[str, Any]):
+        self._base, self._over = base, over
+
+    def __getitem__(self, key: str) -> Any:
+        if key in self._over:
+            if self._over[key] is None:
+                raise KeyError(key)
+            return self._over[key]
+        return self._base[key]
+
+    def __contains__(self, key: object) -> bool:
+        return self._over[key] is not None if key in self._over else key in self._base
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self[key] if key in self else default
+
+    def __iter__(self):
+        yield from (k for k, v in self._over.items() if v is not None)
+        yield from (k for k in self._base if k not in self._over)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
 
 def _rope(config: Mapping[str, Any], *, head_dim: int, max_pos: int, layout: str) -> dict:
