@@ -20,6 +20,7 @@ from types import TracebackType
 import ml_dtypes
 import numpy as np
 
+from thinconv import strictjson
 from thinconv.errors import CheckpointError
 from thinconv.memory import FAULT_AROUND, drop_resident
 
@@ -196,8 +197,8 @@ def _load_json(raw: bytes, label: str) -> dict:
     except UnicodeDecodeError as error:
         raise CheckpointError(f"{label}: header is not valid UTF-8 (byte {error.start})") from None
     try:
-        header = json.loads(text, object_pairs_hook=_reject_duplicates,
-                            parse_constant=_reject_constant)
+        header = json.loads(text, object_pairs_hook=_reject_duplicates, parse_constant=_reject_constant,
+                            **strictjson.HOOKS)
     except _DuplicateKey as error:
         raise CheckpointError(f"{label}: header has duplicate key {error.args[0]!r}") from None
     except ValueError as error:  # JSONDecodeError and _reject_constant

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import os
 import re
+import stat
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -17,6 +19,7 @@ from types import TracebackType
 import numpy as np
 
 from thinconv.checkpoint.safetensors import SafetensorsFile, TensorEntry, open_safetensors
+from thinconv import strictjson
 from thinconv.errors import CheckpointError
 
 CONFIG_NAME = "config.json"
@@ -119,6 +122,8 @@ def open_checkpoint(src: str | Path, *, revision: str | None = None,
             raise CheckpointError(f"{src}: is a local folder; revision {revision!r} applies only"
                                   " to hub repo ids")
         root, label, repo_id, commit = path, str(path), None, None
+        base = root.resolve()  # every file read must lie inside the folder
+        _check_files(root, [*ASSET_NAMES, INDEX_NAME], label, base)
         index = _read_index(root, label)
     elif isinstance(src, str) and not path.exists() and looks_like_repo_id(src):
         repo_id, label = src, src
@@ -131,6 +136,8 @@ def open_checkpoint(src: str | Path, *, revision: str | None = None,
                                       f"id: {error}") from None
             raise
         commit = root.name
+        base = root.parent.parent.resolve()  # the repo's cache folder: snapshot links point into its blobs/
+        _check_files(root, [*ASSET_NAMES, INDEX_NAME], label, base)
         index = _read_index(root, label)
         shard_patterns = sorted(set(index.values())) if index is not None else ["*.safetensors"]
         # Pin the commit so both downloads come from the same snapshot.
@@ -144,6 +151,7 @@ def open_checkpoint(src: str | Path, *, revision: str | None = None,
     config = _read_json_object(root, CONFIG_NAME, label, required=True)
     generation_config = _read_json_object(root, GENERATION_CONFIG_NAME, label, required=False)
     shard_names = _shard_names(root, label, index, hub=repo_id is not None)
+    _check_files(root, shard_names, label, base)
 
     with ExitStack() as stack:
         shards = []
@@ -164,6 +172,35 @@ def open_checkpoint(src: str | Path, *, revision: str | None = None,
     return Checkpoint(root=root, repo_id=repo_id, revision=revision if repo_id else None,
                       commit=commit, config=config, generation_config=generation_config,
                       files=files, tensors=tensors, _shards=shards, _owner=owner)
+
+
+def _check_files(root: Path, names: list[str], label: str, base: Path) -> None:
+    """Each of `names` that exists in `root` must be a regular file, and a symlink must resolve
+    inside `base` (the source folder, or a hub repo's cache folder): a checkpoint must not make
+    thinconv read (and embed) /etc/shadow, a device or a FIFO."""
+    for name in names:
+        path = root / name
+        if not os.path.lexists(path):
+            continue
+        target = path.resolve()
+        if not target.is_relative_to(base):
+            raise CheckpointError(f"{label}/{name}: links outside the checkpoint (to {target}); source files must "
+                                  f"lie inside {base}")
+        try:
+            mode = os.stat(target).st_mode
+        except OSError as error:
+            raise CheckpointError(f"{label}/{name}: cannot read ({error.strerror or error})") from None
+        if not stat.S_ISREG(mode):
+            raise CheckpointError(f"{label}/{name}: is not a regular file (a {_kind(mode)}); source files must be "
+                                  f"regular files")
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "folder"), (stat.S_ISFIFO, "FIFO"), (stat.S_ISCHR, "character device"),
+                       (stat.S_ISBLK, "block device"), (stat.S_ISSOCK, "socket")):
+        if test(mode):
+            return name
+    return "special file"
 
 
 def looks_like_repo_id(src: str) -> bool:
@@ -247,16 +284,37 @@ def _read_json_object(root: Path, name: str, label: str, *, required: bool) -> d
             raise CheckpointError(f"{label}: {name} is missing")
         return None
     try:
-        value = json.loads(path.read_bytes().decode("utf-8"))
+        value = json.loads(path.read_bytes().decode("utf-8"), object_pairs_hook=_no_duplicates,
+                           parse_constant=_no_constant, **strictjson.HOOKS)
     except UnicodeDecodeError as error:
         raise CheckpointError(f"{label}/{name}: not valid UTF-8 (byte {error.start})") from None
     except ValueError as error:
-        raise CheckpointError(f"{label}/{name}: not valid JSON ({error})") from None
+        raise CheckpointError(f"{label}/{name}: not valid JSON ({_clip(error)})") from None
+    except RecursionError:
+        raise CheckpointError(f"{label}/{name}: not valid JSON (nested too deeply)") from None
     except OSError as error:
         raise CheckpointError(f"{label}/{name}: cannot read ({error.strerror or error})") from None
     if not isinstance(value, dict):
         raise CheckpointError(f"{label}/{name}: is a JSON {type(value).__name__}, expected an object")
     return value
+
+
+def _no_duplicates(pairs: list[tuple[str, object]]) -> dict:
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:  # json would silently keep the last one: which is meant?
+            raise ValueError(f"duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not allowed")
+
+
+def _clip(error: BaseException, limit: int = 160) -> str:
+    text = str(error)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _read_index(root: Path, label: str) -> dict[str, str] | None:
@@ -274,9 +332,12 @@ def _read_index(root: Path, label: str) -> dict[str, str] | None:
     if not path.is_file():
         return None
     try:
-        index = json.loads(path.read_bytes().decode("utf-8"), object_pairs_hook=no_duplicates)
+        index = json.loads(path.read_bytes().decode("utf-8"), object_pairs_hook=no_duplicates,
+                           parse_constant=_no_constant, **strictjson.HOOKS)
     except (UnicodeDecodeError, ValueError) as error:
-        raise CheckpointError(f"{label}/{INDEX_NAME}: not valid JSON ({error})") from None
+        raise CheckpointError(f"{label}/{INDEX_NAME}: not valid JSON ({_clip(error)})") from None
+    except RecursionError:
+        raise CheckpointError(f"{label}/{INDEX_NAME}: not valid JSON (nested too deeply)") from None
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CheckpointError(f"{label}/{INDEX_NAME}: expected an object with a \"weight_map\""

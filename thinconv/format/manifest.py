@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from thinconv import strictjson
 from thinconv.errors import ThinFormatError
 from thinconv.format import dtypes, schema, spec
 
@@ -37,31 +38,13 @@ class ValidationReport:
 
 
 def parse_manifest(data: bytes, where: str = "manifest") -> Any:
-    """Decode manifest bytes strictly: UTF-8, JSON, no duplicate keys, no NaN/Infinity."""
-
-    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
-        out: dict = {}
-        for key, value in pairs:
-            if key in out:
-                raise ThinFormatError(f"{where}: duplicate key {key!r}")
-            out[key] = value
-        return out
-
-    def no_constants(name: str) -> Any:
-        raise ThinFormatError(f"{where}: {name} is not allowed (JSON numbers must be finite)")
-
+    """Decode manifest bytes strictly: UTF-8, JSON, no duplicate keys, no NaN/Infinity, no
+    overflowing number (thinconv.strictjson)."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ThinFormatError(f"{where}: not UTF-8 (byte {e.start})") from None
-    try:
-        return json.loads(text, object_pairs_hook=no_duplicates, parse_constant=no_constants)
-    except json.JSONDecodeError as e:
-        raise ThinFormatError(f"{where}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
-    except ValueError as e:  # e.g. an integer literal longer than Python's int-parsing digit limit
-        raise ThinFormatError(f"{where}: invalid JSON: {str(e).split(';')[0]}") from None
-    except RecursionError:
-        raise ThinFormatError(f"{where}: JSON nested too deeply") from None
+    return strictjson.loads(text, where, ThinFormatError)
 
 
 # -- small typed checks; each returns whether the value passed so callers can skip dependents --
