@@ -237,7 +237,12 @@ def _check_shape(ckpt: Checkpoint, model: dict, canonical: str, entries: list[En
 def stacked_shape(shapes: list[list[int]], entries: list[Entry], rank: int) -> list:
     """The shape the source entries make, concatenated as the spec says (rows of 2-D / 1-D entries
     along dim 0, stacked into [E, rows, cols] for an expert tensor; rows of dim 1 of 3-D entries,
-    per expert); a single unsliced entry keeps its own shape (so a message shows it as is)."""
+    per expert); a single unsliced entry keeps its own shape (so a message shows it as is). A 1-D
+    tensor reads unsliced 2-D entries row-major, flattened (addendum §2: Cohere's [heads, head_dim]
+    q/k norm weights), as the row reader does."""
+    if rank == 1 and all(e.start is None for e in entries) and {len(s) for s in shapes} <= {1, 2} and \
+            any(len(s) == 2 for s in shapes):
+        return [sum(math.prod(s) for s in shapes)]
     if len(entries) == 1 and entries[0].start is None:
         return shapes[0]
     for s, e in zip(shapes, entries):
