@@ -181,7 +181,10 @@ def unaccounted_keys(config: RecordingConfig, rules: FamilyRules, allowed: tuple
         value = config._data[key]
         if key in config.read or key in NO_EFFECT_KEYS or key in rules.understood or key in allowed:
             continue
-        if (value is None or value is False or value == [] or value == {}) and key not in DEFAULT_ON_KEYS:
+        if key in DEFAULT_ON_KEYS:
+            if value is True:  # the default: nothing changes
+                continue
+        elif value is None or value is False or value == [] or value == {}:
             continue
         out.append(key)
     return out
