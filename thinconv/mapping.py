@@ -125,7 +125,8 @@ def map_checkpoint(ckpt: Checkpoint, recipe: Recipe, rope_layout: str = "half", 
     wdtype = weights_dtype(ckpt)
     model, keys = read_model(ckpt.config, ckpt.generation_config, architecture=recipe.name, rules=recipe.metadata,
                              rope_layout=rope_layout, family=recipe.family, weights_dtype=wdtype,
-                             allowed_keys=allowed_keys, check_keys=False, consumed=("quantization_config",))
+                             allowed_keys=allowed_keys, check_keys=False, consumed=("quantization_config",),
+                             max_layers=len(ckpt.tensors))
     report = MappingReport(model, fp8=fp8, weights_dtype=wdtype)
     report.config_problem = config_keys_problem(ckpt.config, keys, recipe.name)
     claims = _claim_wanted(ckpt, recipe, report)

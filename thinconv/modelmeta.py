@@ -122,6 +122,7 @@ def read_model(
     allowed_keys: tuple[str, ...] = (),
     check_keys: bool = True,
     consumed: tuple[str, ...] = (),
+    max_layers: int | None = None,
 ) -> tuple[dict, list[str]]:
     """(the `model` object, the config keys nothing accounts for): the Llama reading below, refined
     by the recipe's `[model]` expressions (`family`), then every config key accounted for
@@ -137,10 +138,19 @@ def read_model(
         raise UsageError(f"rope layout must be one of {', '.join(_ROPE_LAYOUTS)}, got {rope_layout!r}")
     seen = fam.RecordingConfig(config)
     seen.read.update(consumed)  # keys the caller reads itself (e.g. quantization_config)
+    if max_layers is not None:  # bound the per-layer work by the tensors present, before doing any
+        layers = _positive_int(seen, "num_hidden_layers")
+        if layers > max_layers:
+            raise ConversionError(f"{_CONFIG}: field 'num_hidden_layers' is {layers}, but the checkpoint holds only "
+                                  f"{max_layers} tensors")
     model = _base_model(seen, generation_config, architecture=architecture, rules=rules, rope_layout=rope_layout)
     model = fam.apply(model, seen, family, recipe=architecture, weights_dtype=weights_dtype)
     model = schema.canonical_model(_normalized(model))
     problems = validate_model(model).lines()
+    if not problems:
+        from thinconv.rope import check_rope  # numpy: see _attention_factor
+
+        check_rope(model)
     if problems:
         raise ConversionError(f"recipe {architecture}: the model section it computes is invalid: "
                               + "; ".join(problems[:3]) + (f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""))

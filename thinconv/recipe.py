@@ -311,7 +311,9 @@ class Registry:
     def select(self, config: dict, recipe_name: str | None, label: str) -> Recipe:
         """The recipe for a checkpoint: by config.json's architectures, or the named one if it handles them."""
         archs = config.get("architectures") or []
-        archs = archs if isinstance(archs, list) else []
+        if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+            raise RecipeError(f"{label}/config.json: field 'architectures' must be a list of class names, got "
+                              f"{str(archs)[:60]}")
         if recipe_name is None:
             return self.for_architecture(archs, f"{label}/config.json")
         recipe = self.get(recipe_name)

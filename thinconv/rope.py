@@ -8,6 +8,7 @@ to float32 once, at the end.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -22,6 +23,30 @@ DYNAMIC_SCALING_TYPES = frozenset({"dynamic", "longrope"})
 _WHERE = "rope.scaling"
 
 
+def _guarded(fn):
+    """Any arithmetic failure (theta 1 divides by log 1, a list where a number belongs, overflow)
+    becomes one ConversionError, and a table or factor that is not finite and positive is refused:
+    a runtime cannot rotate by it."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            with np.errstate(all="ignore"):
+                out = fn(*args, **kwargs)
+        except ConversionError:
+            raise
+        except (ArithmeticError, ValueError, TypeError, KeyError) as e:
+            raise ConversionError(f"rope: the RoPE parameters cannot be evaluated ({type(e).__name__}: {e})") from None
+        values = np.atleast_1d(np.asarray(out, np.float64)) if out is not None else np.ones(1)
+        if not (np.isfinite(values).all() and (values > 0).all()):
+            raise ConversionError(f"rope: the RoPE parameters give {'a table' if np.ndim(out) else 'a factor'} that "
+                                  f"is not finite and positive (theta, factors out of range?)")
+        return out
+
+    return wrapper
+
+
+@_guarded
 def rope_inv_freq(
     rope: Mapping[str, Any], *, head_dim: int, max_position_embeddings: int
 ) -> np.ndarray | None:
@@ -54,6 +79,7 @@ def rope_inv_freq(
     return inv.astype(np.float32)
 
 
+@_guarded
 def runtime_inv_freq(rope: Mapping[str, Any], *, head_dim: int, max_position_embeddings: int,
                      seq_len: int) -> np.ndarray:
     """The inverse frequencies a forward pass over positions [0, seq_len) uses, float32 — for the
@@ -104,6 +130,18 @@ def derived_tables(model: Mapping[str, Any]) -> dict[str, np.ndarray]:
     return out
 
 
+def check_rope(model: Mapping[str, Any]) -> None:
+    """Refuse a `model` whose RoPE cannot be computed or is not finite: its static tables, and a
+    sequence-dependent table at the context's end."""
+    derived_tables(model)
+    for rope in (model["rope"], model["rope"].get("sliding")):
+        if rope is not None:
+            params = {**rope, "rotary_dim": model["rope"]["rotary_dim"]}
+            runtime_inv_freq(params, head_dim=model["head_dim"], max_position_embeddings=model["max_position_embeddings"],
+                             seq_len=model["max_position_embeddings"] + 1)
+
+
+@_guarded
 def rope_attention_factor(rope_parameters: Mapping[str, Any] | None, *, max_position_embeddings: int) -> float:
     """The factor on cos and sin for `rope.scaling` (`type` or HF's `rope_type` key): yarn and
     longrope as transformers computes it (explicit `attention_factor` wins); 1.0 otherwise."""
