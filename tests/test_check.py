@@ -493,8 +493,9 @@ def test_against_another_model(archive, sources):
     assert code == 1 and not d["ok"]
 
 
-def test_dynamic_rope_skips_the_probe(work):
-    """The reference decoder has no dynamic RoPE: the probe is skipped with a warning, conversion succeeds."""
+def test_dynamic_rope_has_a_probe(work):
+    """The reference decoder computes a sequence-dependent RoPE (dynamic) per sequence length: the
+    probe is stored, and the archive passes against it and against transformers."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
@@ -505,11 +506,14 @@ def test_dynamic_rope_skips_the_probe(work):
     out = work / "dynamic.thin"
     r = runner.invoke(app, ["convert", str(work / "src" / "dynamic"), str(out)])
     assert r.exit_code == 0, r.output
-    assert "probe skipped" in r.stderr and "dynamic" in r.stderr
+    assert "probe skipped" not in r.stderr
     with open_archive(out) as a:
-        assert "probe" not in a.manifest["validation"]
-    r = runner.invoke(app, ["check", str(out)])
-    assert r.exit_code == 2 and "validation.probe" in one_line_error(r)
+        assert a.manifest["validation"]["probe"]["tokens"]
+    code, d = check(out)
+    assert code == 0 and d["ok"] and d["reference"] == "probe" and d["max_rel_diff"] <= 1e-5
+    tokens = ",".join(str((7 * i + 3) % 64) for i in range(70))  # past max_position_embeddings 64: NTK acts
+    code, d = check(out, "--against", work / "src" / "dynamic", "--tokens", tokens)
+    assert code == 0 and d["ok"] and d["positions"] == 70 and d["dtype_class"] == "exact"
 
 
 # ---------------------------------------------------------------- archives with a tokenizer of our own

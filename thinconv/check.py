@@ -12,7 +12,7 @@ import numpy as np
 
 from thinconv.decoder import Decoder, prefill_logits
 from thinconv.errors import ConversionError, ThinError, UsageError
-from thinconv.format import dtypes, spec
+from thinconv.format import dtypes
 from thinconv.format.reader import Archive
 
 
@@ -216,12 +216,18 @@ def run_check(archive: Archive, tokens: list[int], against: Any | None = None, s
         if tokens != probe["tokens"][:len(tokens)]:
             raise UsageError("comparing against the probe uses the probe's own tokens; drop --prompt/--tokens or "
                              "use --against SRC")
-    logits, engine = archive_logits(archive, tokens)
+    # The probe holds the logits of its whole sequence, run in one pass: a prefix (--steps) is
+    # compared on the same pass (a sequence-dependent RoPE, e.g. longrope, depends on its length).
+    logits, engine = archive_logits(archive, tokens if against is not None else probe["tokens"])
+    logits = logits[:len(tokens)]
     if against is not None:
+        from thinconv.mapping import Entry
+
         source_dtypes = {}
         for t in archive.manifest["tensors"]:
-            if t["source"] and all(s in against.tensors for s in t["source"]):
-                source_dtypes[t["name"]] = dtypes.SOURCE_DTYPES.get(against.tensors[t["source"][0]].dtype, "?")
+            names = [Entry.parse(s).name for s in t["source"]]  # "NAME[a:b]": rows of NAME
+            if names and all(n in against.tensors for n in names):
+                source_dtypes[t["name"]] = dtypes.SOURCE_DTYPES.get(against.tensors[names[0]].dtype, "?")
         reference = transformers_logits(against.root, tokens, archive.model["vocab_size"])
         result = CheckResult(dtype_class(archive, source_dtypes), "transformers", compare_logits(reference, logits))
     else:
@@ -236,12 +242,9 @@ def archive_logits(archive: Archive, tokens: list[int], memory_budget: int | Non
     Token by token with a KV cache ("decode") when the model's float32 weights fit in a quarter of
     this machine's memory; otherwise layer by layer with the weights streamed ("prefill": same
     model, bounded memory), so a big archive can still be checked against its probe."""
-    m = archive.model
     need = 4 * sum(math.prod(t["shape"]) for t in archive.manifest["tensors"])
     if memory_budget is None:
         memory_budget = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
     if need <= memory_budget:
         return Decoder(ArchiveProvider(archive)).logits_for(tokens), "decode"
-    if not spec.rope_freqs_present(m):
-        raise ConversionError("the reference decoder needs a rope_freqs table (static RoPE scaling)")
     return prefill_logits(ArchiveProvider(archive, release=True), tokens), "prefill"

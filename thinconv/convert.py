@@ -356,7 +356,7 @@ _QUANT_PLACEHOLDER = {"rmse": 0.00012345678901234567, "max_abs_err": 0.012345678
 
 
 def _probe_placeholder(plan: Plan) -> dict | None:
-    if not plan.options.probe or not spec.rope_freqs_present(plan.model):
+    if not plan.options.probe:
         return None
     tokens = default_tokens(plan.model, PROBE_TOKENS)
     ids = [plan.model["vocab_size"] - 1] * PROBE_TOP_K

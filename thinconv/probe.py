@@ -12,7 +12,6 @@ from dataclasses import replace
 import numpy as np
 
 from thinconv.decoder import prefill_logits
-from thinconv.format import spec
 from thinconv.rope import derived_tables
 from thinconv.rows import TensorSource
 
@@ -69,9 +68,6 @@ def conversion_probe(ckpt, plan, wait=None) -> tuple[dict | None, str | None]:
     """The probe for `plan`, computed from the source weights; (None, reason) when skipped.
 
     `wait(name, end)` is called before rows [.., end) of a tensor are read (see StreamGate)."""
-    if not spec.rope_freqs_present(plan.model):  # the reference decoder needs a static rope_freqs table
-        kind = plan.model["rope"]["scaling"]["type"]
-        return None, f"probe skipped: the reference decoder does not implement {kind!r} RoPE scaling"
     counts: dict[str, int] = {}
     for t in plan.tensors:
         if len(t.shape) == 2:
