@@ -351,7 +351,10 @@ def run_check(archive: Archive, tokens: list[int] | None = None, against: Checkp
         result.notes += untested
         tokens = default_tokens(archive.model, n, within_context=False)  # check_length bounded n
     try:
-        logits, result.engine = archive_logits(archive, tokens)
+        # The probe holds the logits of its whole sequence, run in one pass: a prefix (--steps) is
+        # compared on the same pass (a sequence-dependent RoPE, e.g. longrope, depends on its length).
+        logits, result.engine = archive_logits(archive, tokens if against is not None else probe["tokens"])
+        logits = logits[:len(tokens)]
     except ThinError as e:
         if not result.model_differences:
             raise

@@ -542,13 +542,27 @@ class Decoder:
     def _greedy(self, prompt: list[int], max_new_tokens: int, stop: set[int]) -> Iterator[int]:
         if max_new_tokens == 0:
             return
-        logits = self.logits_for(prompt)[-1]
+        seq = list(prompt)
+        logits = self.logits_for(seq)[-1]
         for n in range(max_new_tokens):
             tok = int(np.argmax(logits))  # first maximum on ties, like torch.argmax
             yield tok
             if tok in stop or n + 1 == max_new_tokens:
                 return
-            logits = self.step(tok)
+            seq.append(tok)
+            logits = self.logits_for(seq)[-1] if self._longrope_switch(len(seq)) else self.step(tok)
+
+    def _longrope_switch(self, length: int) -> bool:
+        """Whether a sequence of `length` positions is the first to use longrope's long factors: the
+        cached keys, rotated with the short ones, are then recomputed (as transformers' generation
+        does: it drops the cache when the sequence first outgrows original_max_position_embeddings)."""
+        for rope in (self.arch.rope, self.arch.rope_sliding):
+            scaling = rope.params["scaling"] if rope is not None else None
+            if scaling is not None and scaling.get("type") == "longrope":
+                original = scaling.get("original_max_position_embeddings", self.arch.max_pos)
+                if length - 1 <= original < length:
+                    return True
+        return False
 
 
 def prefill_logits(provider: WeightProvider, tokens: list[int], chunk_values: int = 1 << 19,

@@ -12,6 +12,7 @@ dotted model names, no imports, no lambdas, bounded sizes. A recipe is data, not
 from __future__ import annotations
 
 import ast
+import copy
 import math
 import operator
 from collections.abc import Callable, Mapping
@@ -70,7 +71,7 @@ _ALLOWED = (ast.Expression, ast.Constant, ast.Name, ast.Load, ast.Store, ast.Att
 def evaluate(tree: ast.Expression, names: Mapping[str, Any], functions: Mapping[str, Callable], where: str) -> Any:
     """The value of a parsed expression; ConversionError (naming `where`) on any failure."""
     try:
-        return _Eval(names, functions).visit(tree.body)
+        return _plain(_Eval(names, functions).visit(tree.body))
     except ConversionError:
         raise
     except KeyError as e:
@@ -188,7 +189,13 @@ class _Eval:
 
 
 def _plain(v: Any) -> Any:
-    return v._data if isinstance(v, Namespace) else v
+    """A value as data: a model name that holds an object (`rope.scaling`) evaluates to a Namespace,
+    for dotted access; as a result, or inside one, it is a copy of the object itself."""
+    if isinstance(v, Namespace):
+        return copy.deepcopy(v._data)
+    if isinstance(v, list):
+        return [_plain(x) for x in v]
+    return v
 
 
 def bounded_range(*args: int) -> range:
