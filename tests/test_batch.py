@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -15,7 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 import thinconv
-from conftest import BIN
+from conftest import BIN, assert_one_line_error
 from hubcache import populate_hub_cache, use_hub_cache
 from thinconv import batch as B
 from thinconv.cli import app
@@ -255,8 +256,16 @@ def test_a_corrupted_archive_is_redone(ckpts, tmp_path):
     (tmp_path / "a.thin").write_bytes(bytes(data))
     r = batch(jobs_file, "--dry-run")
     assert "job 1 run:" in r.output and "checksum mismatch" in r.output
-    assert batch(jobs_file, "--workers", "1", "--report", report).exit_code == 0
+    r = batch(jobs_file, "--workers", "1", "--report", report)
+    assert r.exit_code == 0, r.output
     assert report_lines(report)[0]["status"] == "done"
+    # the log says why a job that looked up to date was redone: which page failed
+    lines = r.output.splitlines()
+    start = next(k for k, ln in enumerate(lines) if ln.startswith("job 1 start:"))
+    assert "(up to date: verifying it)" in lines[start]
+    assert re.fullmatch(r"job 1 redo: archive fails verification: page '[^']+' at offset \d+: checksum mismatch "
+                        r"\(data corrupted\); converting it again", lines[start + 1]), lines
+    assert lines[start + 2].startswith("job 1 done:")
     with open_archive(tmp_path / "a.thin") as a:
         assert a.verify().ok
 
@@ -409,25 +418,63 @@ def test_stale_temp_files_are_removed_on_start(ckpts, tmp_path):
 
 # ---------------------------------------------------------------- sharding
 
+def slurm_array(task: int, spec: str) -> dict[str, str]:
+    """The environment Slurm gives array task `task` of ``--array=spec`` (ranges, lists, ``:step``),
+    as measured on Slurm 22.05: MIN / MAX are the smallest / largest task ids, COUNT the number of
+    tasks, STEP the step of a single ``a-b:s`` range and 1 otherwise."""
+    ids, step = [], 1
+    for part in spec.split(","):
+        m = re.fullmatch(r"(\d+)(?:-(\d+)(?::(\d+))?)?", part)
+        lo, hi, st = int(m.group(1)), int(m.group(2) or m.group(1)), int(m.group(3) or 1)
+        ids += range(lo, hi + 1, st)
+        step = st if "," not in spec else 1
+    assert task in ids
+    return {"SLURM_ARRAY_TASK_ID": str(task), "SLURM_ARRAY_TASK_MIN": str(min(ids)),
+            "SLURM_ARRAY_TASK_MAX": str(max(ids)), "SLURM_ARRAY_TASK_STEP": str(step),
+            "SLURM_ARRAY_TASK_COUNT": str(len(ids))}
+
+
 def test_parse_shard():
     assert B.parse_shard("0/1") == (0, 1) and B.parse_shard(" 3 / 8 ") == (3, 8)
     for bad in ("4/4", "1/0", "-1/2", "a/b", "2", ""):
         with pytest.raises(UsageError):
             B.parse_shard(bad)
-    assert B.parse_shard("auto", {"SLURM_ARRAY_TASK_ID": "5", "SLURM_ARRAY_TASK_COUNT": "8"}) == (5, 8)
-    # --array=10-17: index from the task id minus the minimum
-    assert B.parse_shard("auto", {"SLURM_ARRAY_TASK_ID": "12", "SLURM_ARRAY_TASK_MIN": "10",
-                                  "SLURM_ARRAY_TASK_MAX": "17"}) == (2, 8)
-    # --array=0-14:2
-    assert B.parse_shard("auto", {"SLURM_ARRAY_TASK_ID": "6", "SLURM_ARRAY_TASK_MIN": "0",
-                                  "SLURM_ARRAY_TASK_MAX": "14", "SLURM_ARRAY_TASK_STEP": "2"}) == (3, 8)
+    # the index is the task id itself; the count of a whole 0..N-1 array is its size
+    assert B.parse_shard("auto", slurm_array(5, "0-7")) == (5, 8)
+    assert B.parse_shard("auto", slurm_array(0, "0")) == (0, 1)
+    assert B.parse_shard("auto", slurm_array(7, "0-7")) == (7, 8)
+    assert B.resolve_shard("auto", slurm_array(5, "0-7")).origin == "Slurm array task 5, 8 shards from the array 0-7"
+    # resubmitting some tasks of a 0-7 array: the count comes from $THINCONV_SHARDS or --shards,
+    # and the index stays the task id (the old (ID - MIN) / STEP made tasks 1,3 shards 0/2 and 1/2)
+    for task in (1, 3):
+        assert B.parse_shard("auto", {**slurm_array(task, "1,3"), "THINCONV_SHARDS": "8"}) == (task, 8)
+        assert B.parse_shard("auto", slurm_array(task, "1,3"), shards=8) == (task, 8)
+    assert B.parse_shard("auto", {**slurm_array(2, "2"), "THINCONV_SHARDS": "4"}) == (2, 4)
+    assert B.parse_shard("auto", {**slurm_array(12, "10-17"), "THINCONV_SHARDS": "18"}) == (12, 18)
+    assert B.parse_shard("auto", {**slurm_array(2, "0-2"), "THINCONV_SHARDS": "8"}) == (2, 8)  # given beats inferred
+    assert B.parse_shard("auto", {**slurm_array(2, "0-2"), "THINCONV_SHARDS": "8"}, shards=4) == (2, 4)
+    assert B.resolve_shard("auto", {**slurm_array(3, "1,3"), "THINCONV_SHARDS": "8"}).origin == \
+        "Slurm array task 3, 8 shards from $THINCONV_SHARDS"
     assert B.parse_shard("auto", {"JOB_COMPLETION_INDEX": "2", "THINCONV_SHARDS": "4"}) == (2, 4)
-    for env, needle in [({}, "neither"), ({"JOB_COMPLETION_INDEX": "2"}, "THINCONV_SHARDS"),
-                        ({"JOB_COMPLETION_INDEX": "4", "THINCONV_SHARDS": "4"}, "outside 0..3"),
-                        ({"SLURM_ARRAY_TASK_ID": "x", "SLURM_ARRAY_TASK_COUNT": "2"}, "expected an integer"),
-                        ({"SLURM_ARRAY_TASK_ID": "1"}, "number of shards")]:
-        with pytest.raises(UsageError, match=needle):
+    assert B.parse_shard("auto", {"JOB_COMPLETION_INDEX": "2"}, shards=3) == (2, 3)
+    # ambiguous or wrong: exit 2 with one line saying what to set
+    for env, needle in [({}, "neither"), ({"JOB_COMPLETION_INDEX": "2"}, "THINCONV_SHARDS is not"),
+                        ({"JOB_COMPLETION_INDEX": "4", "THINCONV_SHARDS": "4"}, "index 4 is not a shard of 0..3"),
+                        ({**slurm_array(1, "0-7"), "SLURM_ARRAY_TASK_ID": "x"}, "expected an integer"),
+                        ({"SLURM_ARRAY_TASK_ID": "1"}, r"\(MIN=unset MAX=unset STEP=unset COUNT=unset\)"),
+                        ({"SLURM_ARRAY_TASK_ID": "5", "SLURM_ARRAY_TASK_COUNT": "8"}, "set \\$THINCONV_SHARDS"),
+                        (slurm_array(1, "1,3"), r"array \(MIN=1 MAX=3 STEP=1 COUNT=2\) is not the whole range"),
+                        (slurm_array(2, "2"), r"MIN=2 MAX=2 STEP=1 COUNT=1"),
+                        (slurm_array(2, "0,2"), r"MIN=0 MAX=2 STEP=1 COUNT=2"),
+                        (slurm_array(12, "10-17"), "MIN=10"),
+                        (slurm_array(6, "0-14:2"), "STEP=2"),
+                        ({**slurm_array(5, "0-7"), "THINCONV_SHARDS": "4"}, "task 5 is not a shard of 0..3"),
+                        ({**slurm_array(0, "0-7"), "THINCONV_SHARDS": "0"}, "expected N ≥ 1")]:
+        with pytest.raises(UsageError, match=needle) as e:
             B.parse_shard("auto", env)
+        assert "\n" not in str(e.value)
+    with pytest.raises(UsageError, match="goes with --shard auto"):
+        B.parse_shard("1/4", {}, shards=4)
 
 
 @pytest.mark.parametrize("count", [1, 2, 3, 5, 8])
@@ -459,16 +506,69 @@ def test_shards_together_run_every_job_exactly_once(ckpts, tmp_path):
     seen = []
     for i in range(2):
         report = tmp_path / f"report-{i}.jsonl"
-        env = {"SLURM_ARRAY_TASK_ID": str(i), "SLURM_ARRAY_TASK_COUNT": "2"}
+        env = slurm_array(i, "0-1")  # sbatch --array=0-1
         r = batch(jobs_file, "--shard", "auto", "--workers", "1", "--report", report, env=env)
         assert r.exit_code == 0, r.output
-        assert f"shard {i}/2" in r.output
+        assert f"shard {i}/2 (Slurm array task {i}, 2 shards from the array 0-1)" in r.output
         seen += [rec["job"] for rec in report_lines(report)]
         assert all(rec["status"] == "done" for rec in report_lines(report))
     assert sorted(seen) == [1, 2, 3, 4, 5]
     assert sorted(p.name for p in tmp_path.glob("*.thin")) == sorted(f"{k}.thin" for k in kinds)
     r = batch(jobs_file, "--shard", "auto", env={"SLURM_ARRAY_TASK_ID": None, "JOB_COMPLETION_INDEX": None})
     assert r.exit_code == 2 and "--shard auto" in r.stderr
+
+
+NO_SCHEDULER = {k: None for k in ("SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_MIN", "SLURM_ARRAY_TASK_MAX",
+                                  "SLURM_ARRAY_TASK_STEP", "SLURM_ARRAY_TASK_COUNT", "JOB_COMPLETION_INDEX",
+                                  "THINCONV_SHARDS")}
+
+
+def test_resubmitting_some_array_tasks_runs_exactly_their_shards(ckpts, tmp_path):
+    """sbatch --array=0-3, then tasks 1 and 3 again (their archives deleted): with the count given they
+    run shards 1/4 and 3/4 — exactly the missing jobs; without it they stop (exit 2, one line)."""
+    src = str(ckpts["llama2"].path)
+    dtypes = ["bf16", "f16", "q8_0", "q4_0", "q4_1", "f32", "auto", "bf16"]
+    jobs_file = write_jobs(tmp_path / "jobs.toml", [{"source": src, "out": f"j{k}.thin", "dtype": d,
+                                                     "page_size": 4096 * (1 + k)} for k, d in enumerate(dtypes, 1)],
+                           defaults={"probe": False})
+    jobs = B.load_jobs(jobs_file)
+    owner = {j.index: s for s in range(4) for j in B.shard_jobs(jobs, s, 4)}
+    for task in range(4):
+        r = batch(jobs_file, "--shard", "auto", "--workers", "1", "--report", tmp_path / f"report-{task}.jsonl",
+                  env={**NO_SCHEDULER, **slurm_array(task, "0-3")})
+        assert r.exit_code == 0, r.output
+    assert sorted(p.name for p in tmp_path.glob("*.thin")) == sorted(f"j{k}.thin" for k in range(1, 9))
+    missing = sorted(k for k, s in owner.items() if s in (1, 3))
+    assert missing and len(missing) < 8
+    for k in missing:
+        (tmp_path / f"j{k}.thin").unlink()
+    kept = {p.name: stamp(p) for p in tmp_path.glob("*.thin")}
+
+    # sbatch --array=1,3 without the count: nothing runs, one line says what to set
+    for task in (1, 3):
+        r = batch(jobs_file, "--shard", "auto", "--report", tmp_path / f"report-{task}.jsonl",
+                  env={**NO_SCHEDULER, **slurm_array(task, "1,3")})
+        assert r.exit_code == 2, r.output
+        assert_one_line_error(r.stderr, "MIN=1 MAX=3 STEP=1 COUNT=2", "THINCONV_SHARDS")
+    assert {p.name: stamp(p) for p in tmp_path.glob("*.thin")} == kept
+
+    # with THINCONV_SHARDS=4 (the first submission's count), or --shards 4
+    ran = []
+    for task, how in ((1, "env"), (3, "option")):
+        env = {**NO_SCHEDULER, **slurm_array(task, "1,3")}
+        args = ["--shards", "4"] if how == "option" else []
+        if how == "env":
+            env["THINCONV_SHARDS"] = "4"
+        report = tmp_path / f"report-{task}.jsonl"
+        r = batch(jobs_file, "--shard", "auto", *args, "--workers", "1", "--report", report, env=env)
+        assert r.exit_code == 0, r.output
+        assert f"shard {task}/4 (Slurm array task {task}, 4 shards from " in r.output
+        recs = report_lines(report)
+        assert {rec["job"] for rec in recs} == {k for k, s in owner.items() if s == task}
+        ran += [rec["job"] for rec in recs if rec["status"] == "done"]
+    assert sorted(ran) == missing
+    assert {p.name: stamp(p) for p in tmp_path.glob("*.thin") if p.name in kept} == kept
+    assert sorted(p.name for p in tmp_path.glob("*.thin")) == sorted(f"j{k}.thin" for k in range(1, 9))
 
 
 # ---------------------------------------------------------------- hub sources
@@ -567,7 +667,8 @@ def slow_env(tmp_path) -> dict:
     return {"PYTHONPATH": str(plug), "THINCONV_RECIPES": str(recipes), "SLOWTHIN_SECONDS": "0.4"}
 
 
-@pytest.mark.parametrize("how", ["SIGTERM to the batch", "SIGINT to the process group"])
+@pytest.mark.parametrize("how", ["SIGTERM to the batch", "SIGINT to the process group",
+                                 "SIGTERM to the process group"])
 def test_killed_batch_leaves_no_partial_file_and_a_rerun_completes(ckpts, tmp_path, slow_env, how):
     out = tmp_path / "out"
     out.mkdir()
@@ -589,10 +690,10 @@ def test_killed_batch_leaves_no_partial_file_and_a_rerun_completes(ckpts, tmp_pa
             assert time.monotonic() < deadline, "no report line within 60 s"
             time.sleep(0.02)
         time.sleep(0.3)  # the second job is converting now
-        if how.startswith("SIGTERM"):
+        if how == "SIGTERM to the batch":
             proc.send_signal(signal.SIGTERM)
-        else:
-            os.killpg(proc.pid, signal.SIGINT)
+        else:  # the batch and its workers get the signal at once (Ctrl-C, kill -- -PGID, proctrack/linuxproc)
+            os.killpg(proc.pid, signal.SIGTERM if how.startswith("SIGTERM") else signal.SIGINT)
         stdout, stderr = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:

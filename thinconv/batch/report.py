@@ -103,6 +103,11 @@ class BatchObserver:
     def job_progress(self, job: Job, phase: str, done: int, total: int) -> None:
         """Bytes `done` of `total` in `phase` (verifying, converting)."""
 
+    def job_redo(self, job: Job, reason: str) -> None:
+        """`job`'s archive looked up to date but is converted again after all; `reason` says why
+        (e.g. ``archive fails verification: page '…' at offset …: checksum mismatch``)."""
+        self.message(f"job {job.index} redo: {reason}; converting it again")
+
     def job_finished(self, job: Job, result: JobResult) -> None:
         """`job` is done, skipped or failed (already written to the report)."""
 

@@ -257,6 +257,8 @@ class _Dispatcher:
                 msg = w.conn.recv()
                 if msg[0] == "progress" and w.job is not None:
                     self.observer.job_progress(w.job, msg[1], msg[2], msg[3])
+                elif msg[0] == "redo" and w.job is not None:
+                    self.observer.job_redo(w.job, msg[1])
                 elif msg[0] == "result" and w.job is not None:
                     job, w.job = w.job, None
                     self.finish(job, msg[1])

@@ -181,10 +181,13 @@ class _PipeProgress:
 def _run_task(job: Job, commit: str | None, mode: str, registry, send) -> JobResult:
     t0 = time.perf_counter()
     progress = _PipeProgress(send, job)
-    if mode == "verify" and verify_archive(job.out, progress) is None:
-        with open_archive(job.out) as a:  # header and manifest only: the pages were just verified
-            return job_result(job, "skipped", seconds=time.perf_counter() - t0, bytes_in=_bytes_in(a.manifest),
-                           bytes_out=a.file_size, archive_hash=a.header.archive_hash.hex())
+    if mode == "verify":
+        problem = verify_archive(job.out, progress)
+        if problem is None:
+            with open_archive(job.out) as a:  # header and manifest only: the pages were just verified
+                return job_result(job, "skipped", seconds=time.perf_counter() - t0, bytes_in=_bytes_in(a.manifest),
+                                  bytes_out=a.file_size, archive_hash=a.header.archive_hash.hex())
+        send(("redo", f"archive fails verification: {problem}"))  # the log says why the job runs after all
     # Pinned to the commit the batch resolved (and downloaded); the archive records the revision
     # as the job names it, so it is the archive `thinconv convert` would write.
     result = convert_source(job.source, job.out, options=job.options, recipe=job.recipe,

@@ -3,8 +3,10 @@ The batch engine is imported inside the command (start-up time of the other comm
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
@@ -40,6 +42,9 @@ class PlainBatchLog:
 
     def job_progress(self, job, phase: str, done: int, total: int) -> None:
         pass
+
+    def job_redo(self, job, reason: str) -> None:
+        self.line(f"job {job.index} redo: {reason}; converting it again")
 
     def job_finished(self, job, result) -> None:
         self.line(batch_result_line(result))
@@ -117,7 +122,11 @@ def batch_cmd(jobs_file: Path = typer.Argument(..., help="Jobs file, TOML or JSO
               workers: Optional[int] = typer.Option(None, "--workers", help="Parallel conversions (default: what "
                                                     "fits the cores and memory)."),
               shard: Optional[str] = typer.Option(None, "--shard", help="I/N: run only shard I of N (0 ≤ I < N); "
-                                                  "auto: from $SLURM_ARRAY_TASK_ID or $JOB_COMPLETION_INDEX."),
+                                                  "auto: shard I = $SLURM_ARRAY_TASK_ID or $JOB_COMPLETION_INDEX, "
+                                                  "N from --shards / $THINCONV_SHARDS (or a whole 0..N-1 Slurm "
+                                                  "array)."),
+              shards: Optional[int] = typer.Option(None, "--shards", help="With --shard auto: the number of shards "
+                                                   "(as $THINCONV_SHARDS); keep it when resubmitting some tasks."),
               report: Optional[Path] = typer.Option(None, "--report", help="Write a JSON Lines report: one line "
                                                     "per finished job."),
               dry_run: bool = typer.Option(False, "--dry-run", help="List what would run and what would be "
@@ -128,48 +137,75 @@ def batch_cmd(jobs_file: Path = typer.Argument(..., help="Jobs file, TOML or JSO
     """Run many conversions from a jobs file: parallel, resumable (done jobs are skipped), shardable
     across a cluster. Exit 0 all succeeded, 1 some failed, 2 bad jobs file, 130/143 stopped by
     SIGINT/SIGTERM."""
-    from thinconv.batch import (failed_outs, load_jobs, parse_shard, plan_batch, read_report, run_batch,
+    with _exit_on_signals(), reported():  # until the run starts, a signal ends the command at once
+        _batch(jobs_file, workers, shard, shards, report, dry_run, retry_failed, recipes)
+
+
+@contextmanager
+def _exit_on_signals():
+    """SIGINT / SIGTERM exit at once with 128 + the signal (nothing has been written yet). Installed
+    first thing, so that thinconv as PID 1 of a container (which the kernel shields from signals it
+    has no handler for) still stops; the run itself swaps in handlers that stop it cleanly."""
+    previous = {}
+
+    def on_signal(signum, frame):
+        raise SystemExit(128 + signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        previous[sig] = signal.signal(sig, on_signal)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _batch(jobs_file: Path, workers: Optional[int], shard: Optional[str], shards: Optional[int],
+           report: Optional[Path], dry_run: bool, retry_failed: bool, recipes: list[Path]) -> None:
+    from thinconv.batch import (failed_outs, load_jobs, plan_batch, read_report, resolve_shard, run_batch,
                                 shard_jobs, stop_on_signals)
     from thinconv.recipe import load_registry
 
-    with reported():
-        registry = load_registry(recipes)
-        try:
-            jobs = load_jobs(jobs_file, registry=registry)
-        except JobsFileError as e:
-            for problem in e.problems:
-                err.print(f"[bold red]error:[/] {escape(problem)}", markup=True)
-            err.print(f"{jobs_file}: {len(e.problems)} problem{'s' * (len(e.problems) > 1)}; nothing was run")
-            raise typer.Exit(2)
-        if workers is not None and workers < 1:
-            raise UsageError(f"--workers {workers}: expected ≥ 1")
-        if retry_failed and report is None:
-            raise UsageError("--retry-failed needs --report FILE (the previous run's report, rewritten by this run)")
-        selected = jobs
-        if shard is not None:
-            index, count = parse_shard(shard)
-            selected = shard_jobs(jobs, index, count)
-            out.print(f"shard {index}/{count}: {len(selected)} of {len(jobs)} jobs")
-        keep_lines = None
-        if retry_failed:
-            previous = read_report(report)
-            failed = failed_outs(previous)
-            selected = [j for j in selected if str(j.out) in failed]
-            rerun = {str(j.out) for j in selected}
-            keep_lines = [rec for rec in previous if rec["out"] not in rerun]
-            out.print(f"--retry-failed: {len(selected)} failed job{'s' * (len(selected) != 1)} to retry")
-        if dry_run:
-            plans = plan_batch(selected, observer=PlainBatchLog())
-            for p in plans:
-                out.print(f"job {p.job.index} {p.action}: {p.job.source} → {p.job.out} ({p.reason})")
-            counts = {a: sum(p.action == a for p in plans) for a in ("run", "skip", "fail")}
-            out.print(f"dry run: {counts['run']} to run, {counts['skip']} to skip, {counts['fail']} failing; "
-                      f"nothing was written")
-            return
-        view = LiveBatchView(len(selected)) if out.is_terminal else PlainBatchLog()
-        with stop_on_signals() as stop, view:
-            summary = run_batch(selected, workers=workers, report=report, keep_lines=keep_lines,
-                                recipe_dirs=recipes, observer=view, stop=stop)
+    if shard is None and shards is not None:
+        raise UsageError(f"--shards {shards} goes with --shard auto")
+    registry = load_registry(recipes)
+    try:
+        jobs = load_jobs(jobs_file, registry=registry)
+    except JobsFileError as e:
+        for problem in e.problems:
+            err.print(f"[bold red]error:[/] {escape(problem)}", markup=True)
+        err.print(f"{jobs_file}: {len(e.problems)} problem{'s' * (len(e.problems) > 1)}; nothing was run")
+        raise typer.Exit(2)
+    if workers is not None and workers < 1:
+        raise UsageError(f"--workers {workers}: expected ≥ 1")
+    if retry_failed and report is None:
+        raise UsageError("--retry-failed needs --report FILE (the previous run's report, rewritten by this run)")
+    selected = jobs
+    if shard is not None:
+        which = resolve_shard(shard, shards=shards)
+        selected = shard_jobs(jobs, which.index, which.count)
+        origin = f" ({which.origin})" if which.origin else ""
+        out.print(f"shard {which.index}/{which.count}{origin}: {len(selected)} of {len(jobs)} jobs")
+    keep_lines = None
+    if retry_failed:
+        previous = read_report(report)
+        failed = failed_outs(previous)
+        selected = [j for j in selected if str(j.out) in failed]
+        rerun = {str(j.out) for j in selected}
+        keep_lines = [rec for rec in previous if rec["out"] not in rerun]
+        out.print(f"--retry-failed: {len(selected)} failed job{'s' * (len(selected) != 1)} to retry")
+    if dry_run:
+        plans = plan_batch(selected, observer=PlainBatchLog())
+        for p in plans:
+            out.print(f"job {p.job.index} {p.action}: {p.job.source} → {p.job.out} ({p.reason})")
+        counts = {a: sum(p.action == a for p in plans) for a in ("run", "skip", "fail")}
+        out.print(f"dry run: {counts['run']} to run, {counts['skip']} to skip, {counts['fail']} failing; "
+                  f"nothing was written")
+        return
+    view = LiveBatchView(len(selected)) if out.is_terminal else PlainBatchLog()
+    with stop_on_signals() as stop, view:
+        summary = run_batch(selected, workers=workers, report=report, keep_lines=keep_lines,
+                            recipe_dirs=recipes, observer=view, stop=stop)
     line = (f"batch: {len(selected)} job{'s' * (len(selected) != 1)}: {summary.count('done')} done, "
             f"{summary.count('skipped')} skipped, {summary.count('failed')} failed in {summary.seconds:.1f} s")
     if summary.interrupted:
