@@ -31,7 +31,7 @@ LAYER = "{L}"
 EXPERT = "{E}"
 # Each recipe becomes a sub-command, so it cannot take a built-in command's name.
 RESERVED_NAMES = frozenset({"inspect", "verify", "pack", "unpack", "convert", "recipes", "recipe", "check", "run",
-                            "batch"})
+                            "batch", "export", "upload"})
 _INDEX_RE = r"(0|[1-9][0-9]*)"
 _RECIPE_KEYS = {"name", "description", "extends", "architectures", "tensors", "ignore", "metadata",
                 "quantizable", "keep", "transforms", "model", "config"}
