@@ -41,3 +41,11 @@ class JobsFileError(UsageError):
     def __init__(self, problems: list[str]):
         self.problems = list(problems)
         super().__init__("\n".join(self.problems))
+
+
+class ExportError(ThinError):
+    """An archive cannot be exported (unsupported family or feature, output exists, write failed)."""
+
+
+class PublishError(ThinError):
+    """Publishing to the Hugging Face Hub failed (bad repo id, no token, upload refused)."""

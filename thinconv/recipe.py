@@ -40,7 +40,7 @@ HEAD_COUNTS = {"attn_q.weight": "num_attention_heads", "attn_q.bias": "num_atten
                "attn_v.bias": "num_kv_heads"}
 # Each recipe becomes a sub-command, so it cannot take a built-in command's name.
 RESERVED_NAMES = frozenset({"inspect", "verify", "pack", "unpack", "convert", "recipes", "recipe", "check", "run",
-                            "batch"})
+                            "batch", "export", "upload"})
 _INDEX_RE = r"(0|[1-9][0-9]*)"
 _RECIPE_KEYS = {"name", "description", "extends", "architectures", "tensors", "ignore", "metadata",
                 "quantizable", "keep", "transforms", "model", "config"}

@@ -15,6 +15,7 @@ from thinconv.cli import archive_cmds  # noqa: F401  isort: skip
 from thinconv.cli import convert_cmds  # noqa: F401  isort: skip
 from thinconv.cli import batch_cmd  # noqa: F401  isort: skip
 from thinconv.cli import check_cmds  # noqa: F401  isort: skip
+from thinconv.cli import export_cmds  # noqa: F401  isort: skip
 from thinconv.cli.app import app
 from thinconv.cli.batch_cmd import LiveBatchView, PlainBatchLog
 from thinconv.cli.convert_cmds import register_recipe_commands

@@ -118,9 +118,18 @@ def make_convert_command(recipe_name: Optional[str], help_text: str):
         probe: bool = typer.Option(True, "--probe/--no-probe", help="Store reference logits (validation.probe)."),
         allow_config_key: list[str] = typer.Option([], "--allow-config-key", help="A config.json key the recipe does not "
                                                    "understand, converted anyway on your responsibility (repeatable)."),
+        upload_repo: Optional[str] = typer.Option(None, "--upload-repo", help="Then publish the archive to this Hub "
+                                                  "repo (ORG/NAME) with a model card (see `thinconv upload`)."),
+        model_card: bool = typer.Option(False, "--model-card", help="Also write the model card beside the output "
+                                        "(out.thin → out.README.md)."),
     ) -> None:
+        from thinconv.cli.export_cmds import after_convert, check_publish_options
+
+        check_publish_options(upload_repo)
         run_conversion(src, output, recipe_name, dtype, page_size, revision, rope_layout, keep, force, strict,
                        dry_run, as_json, recipes, probe, tuple(allow_config_key))
+        if not dry_run:
+            after_convert(output, upload_repo, model_card, as_json)
 
     command.__doc__ = help_text
     return command
