@@ -86,8 +86,12 @@ def test_dry_run_json_is_the_full_plan(app, ckpt, tmp_path, opts, request):
 
 def test_dry_run_table(app, ckpts, tmp_path, no_tensor_reads):
     out = tmp_path / "o.thin"
-    out.write_bytes(b"keep me")  # a dry run neither needs --force nor touches it
+    out.write_bytes(b"keep me")  # a dry run fails as the real run would without --force, and never touches it
     r = runner.invoke(app, ["convert", str(ckpts["qwen3"].path), str(out), "--dry-run"], env={"COLUMNS": "250"})
+    assert r.exit_code == 1 and "already exists (use --force to overwrite)" in r.stderr
+    assert out.read_bytes() == b"keep me"
+    r = runner.invoke(app, ["convert", str(ckpts["qwen3"].path), str(out), "--dry-run", "--force"],
+                      env={"COLUMNS": "250"})
     assert r.exit_code == 0, (r.output, r.exception)
     assert "plan: recipe qwen3" in r.stdout and "dry run: nothing read or written" in r.stdout
     for name in ("rope_freqs", "blk.1.attn_k_norm.weight", "output.weight", "model.layers.1.self_attn.k_norm.weight"):

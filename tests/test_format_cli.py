@@ -130,7 +130,7 @@ def test_inspect_json(archive):
     s = json.loads(r.stdout)
     model = manifest["model"]
     sizes = {p["id"]: p["size"] for p in manifest["pages"]}
-    assert s["path"] == str(path) and s["file_size"] == path.stat().st_size == result.size
+    assert s["path"] == str(path) and s["size"] == path.stat().st_size == result.size
     assert s["archive_hash"] == result.archive_hash and s["format_version"] == 0
     assert s["page_count"] == len(manifest["pages"]) and s["tensor_count"] == len(manifest["tensors"])
     assert s["tensor_bytes"] == sum(sizes[p] for t in manifest["tensors"] for p in t["pages"])
@@ -143,7 +143,7 @@ def test_inspect_json(archive):
     assert s["assets"] == [{"name": "config.json", "size": 8}, {"name": "tokenizer.json", "size": 2}]
     assert s["converter"] == VALIDATION["converter"]
     assert s["source"] == {k: v for k, v in VALIDATION["source"].items() if k != "files"}
-    assert [q["tensor"] for q in s["quant_worst"]] == ["output.weight", "token_embd.weight"]
+    assert [q["tensor"] for q in s["quant"]["largest"]] == ["output.weight", "token_embd.weight"]
     assert "tensors" not in s
 
 
@@ -168,7 +168,8 @@ def test_inspect_text(archive):
     r = thinconv("inspect", path)
     assert r.returncode == 0 and r.stderr == ""
     assert result.archive_hash in r.stdout and "llama (LlamaForCausalLM)" in r.stdout
-    assert "converted by  thinconv 0.1.0 (recipe llama) from org/tiny @ c0ffeec0ffee" in r.stdout
+    commit = VALIDATION["source"]["commit"]  # the revision and the whole commit (a hash a user may copy)
+    assert f"converted by  thinconv 0.1.0 (recipe llama) from org/tiny main @ {commit}" in r.stdout
 
 
 # -- pack / unpack ----------------------------------------------------------------------------------

@@ -236,21 +236,29 @@ def hub_download(repo_id: str, revision: str, token: str | None, patterns: list[
     # Added in huggingface_hub 1.x; older versions return partial snapshots silently.
     incomplete = tuple(filter(None, [getattr(errors, "IncompleteSnapshotError", None)]))
     where = f"{repo_id}@{revision}"
+    cache = constants.HF_HUB_CACHE
+    # Without HF_HUB_OFFLINE, a missing file would be fetched with five retries (~23 s of
+    # back-off) when there is no network: one quick probe decides instead, and an unreachable
+    # Hub means working from the cache alone.
+    unreachable = None if constants.HF_HUB_OFFLINE or local_only else _hub_unreachable()
     try:
         folder = snapshot_download(repo_id, revision=revision, token=token, allow_patterns=patterns,
-                                   local_files_only=local_only)
+                                   local_files_only=local_only or unreachable is not None)
     except incomplete:
-        raise CheckpointError(f"{where}: the cached snapshot is incomplete and the Hub cannot be"
-                              " reached; download it again with network access") from None
+        hint = "" if constants.HF_HUB_OFFLINE else f" ({unreachable})" if unreachable else ""
+        offline = "" if constants.HF_HUB_OFFLINE else " (HF_HUB_OFFLINE=1 skips the network check when offline)"
+        raise CheckpointError(f"{where}: the cached snapshot is incomplete and the Hub cannot be reached{hint};"
+                              f" download it again with network access{offline}") from None
     except LocalEntryNotFoundError:
-        cache = constants.HF_HUB_CACHE
         # The repo folder exists when an earlier download was partial or for another revision.
         partly = (Path(cache) / ("models--" + repo_id.replace("/", "--"))).is_dir()
         state = "not (completely) in the local cache" if partly else "not in the local cache"
         if constants.HF_HUB_OFFLINE:
             raise CheckpointError(f"{where}: {state} ({cache}) and HF_HUB_OFFLINE=1") from None
-        raise CheckpointError(f"{where}: cannot reach the Hub and {state} ({cache});"
-                              " check the network") from None
+        reason = f" ({unreachable})" if unreachable else ""
+        raise CheckpointError(f"{where}: cannot reach the Hub{reason} and {state} ({cache}); check the network"
+                              " (working offline? set HF_HUB_OFFLINE=1 to use the cache without trying the Hub)"
+                              ) from None
     except GatedRepoError:
         raise CheckpointError(f"{repo_id}: gated repository; accept its terms on huggingface.co and"
                               " pass a token with access (HF_TOKEN or --token)") from None
@@ -269,7 +277,48 @@ def hub_download(repo_id: str, revision: str, token: str | None, patterns: list[
         raise CheckpointError(f"{where}: Hub request failed: {_first_line(error)}") from None
     except (OSError, ValueError) as error:  # network/disk failures, missing token, bad revision
         raise CheckpointError(f"{where}: download failed: {_first_line(error)}") from None
+    if unreachable and patterns is not _HUB_META_PATTERNS:  # the last download of open_checkpoint
+        _note_cache_only(repo_id, unreachable)
     return Path(folder)
+
+
+# endpoint → (when probed, why unreachable or None): one probe per process and minute, so that the
+# second download of a conversion (the shards) does not try again.
+_HUB_PROBES: dict[str, tuple[float, str | None]] = {}
+_PROBE_TTL = 60.0
+_NOTED: set[str] = set()  # endpoints whose unreachability was already reported
+
+
+def _hub_unreachable() -> str | None:
+    """Why the Hub cannot be reached (one HEAD request, no retries, HF_HUB_ETAG_TIMEOUT), or None."""
+    import time
+
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session
+
+    endpoint = constants.ENDPOINT
+    seen = _HUB_PROBES.get(endpoint)
+    if seen is not None and time.monotonic() - seen[0] < _PROBE_TTL:
+        return seen[1]
+    reason = None
+    try:
+        get_session().head(endpoint, timeout=constants.HF_HUB_ETAG_TIMEOUT)  # any HTTP answer: reachable
+    except Exception as error:  # noqa: BLE001 - httpx / requests network errors alike
+        reason = _first_line(error)
+    _HUB_PROBES[endpoint] = (time.monotonic(), reason)
+    return reason
+
+
+def _note_cache_only(where: str, reason: str) -> None:
+    """One line (once per process) when a checkpoint was served from the cache because the Hub is unreachable."""
+    import logging
+
+    from huggingface_hub import constants
+
+    if constants.ENDPOINT not in _NOTED:
+        _NOTED.add(constants.ENDPOINT)
+        logging.getLogger("thinconv").warning(f"cannot reach the Hub ({reason}): {where} comes from the local "
+                                              "cache (set HF_HUB_OFFLINE=1 to skip the network check)")
 
 
 def _first_line(error: BaseException) -> str:

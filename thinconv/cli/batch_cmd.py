@@ -17,7 +17,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from thinconv.cli.app import app, err, human, out, reported
+from thinconv.cli.app import app, err, examples, fail, human, out, print_json, reported
 from thinconv.errors import JobsFileError, UsageError
 
 
@@ -55,7 +55,26 @@ def batch_result_line(r) -> str:
         return f"job {r.job} FAILED: {r.error}"
     what = "done" if r.status == "done" else "skipped (up to date)"
     return (f"job {r.job} {what}: {r.out} {human(r.bytes_out or 0)} in {r.seconds:.1f} s, archive hash "
-            f"{(r.archive_hash or '')[:16]}…" + "".join(f"\n  warning: {w}" for w in r.warnings))
+            f"{r.archive_hash or 'unknown'}" + "".join(f"\n  warning: {w}" for w in r.warnings))
+
+
+class JsonBatchLog(PlainBatchLog):
+    """--json: stdout carries only the final JSON object; batch messages go to stderr."""
+
+    def line(self, text: str) -> None:
+        err.print(text)
+
+    def job_started(self, job, reason: str) -> None:
+        pass
+
+    def job_finished(self, job, result) -> None:
+        pass
+
+
+def result_json(r) -> dict:
+    """One job's result in the JSON vocabulary of every command (`size`, `archive_hash`)."""
+    return {"job": r.job, "source": r.source, "out": r.out, "status": r.status, "seconds": round(r.seconds, 3),
+            "size": r.bytes_out, "archive_hash": r.archive_hash, "error": r.error, "warnings": r.warnings}
 
 
 class LiveBatchView(PlainBatchLog):
@@ -116,29 +135,35 @@ class LiveBatchView(PlainBatchLog):
         return Group(table, footer) if self.running else footer
 
 
-@app.command("batch")
-def batch_cmd(jobs_file: Path = typer.Argument(..., help="Jobs file, TOML or JSON Lines (schema: "
-                                               "docs/batch.md)."),
-              workers: Optional[int] = typer.Option(None, "--workers", help="Parallel conversions (default: what "
-                                                    "fits the cores and memory)."),
-              shard: Optional[str] = typer.Option(None, "--shard", help="I/N: run only shard I of N (0 ≤ I < N); "
-                                                  "auto: shard I = $SLURM_ARRAY_TASK_ID or $JOB_COMPLETION_INDEX, "
-                                                  "N from --shards / $THINCONV_SHARDS (or a whole 0..N-1 Slurm "
-                                                  "array)."),
-              shards: Optional[int] = typer.Option(None, "--shards", help="With --shard auto: the number of shards "
-                                                   "(as $THINCONV_SHARDS); keep it when resubmitting some tasks."),
-              report: Optional[Path] = typer.Option(None, "--report", help="Write a JSON Lines report: one line "
-                                                    "per finished job."),
+@app.command("batch", epilog=examples("thinconv batch zoo.toml --workers 4 --report report.jsonl",
+                                      "thinconv batch zoo.toml --dry-run",
+                                      "thinconv batch zoo.toml --shard auto --json"))
+def batch_cmd(jobs_file: Path = typer.Argument(..., metavar="JOBS_FILE", help="Jobs file, TOML or JSON Lines "
+                                               "(schema: docs/batch.md)."),
+              workers: Optional[int] = typer.Option(None, "--workers", metavar="N", help="Parallel conversions "
+                                                    "(default: what fits the cores and memory)."),
+              shard: Optional[str] = typer.Option(None, "--shard", metavar="I/N|auto", help="I/N: run only shard I of "
+                                                  "N (0 ≤ I < N); auto: shard I = $SLURM_ARRAY_TASK_ID or "
+                                                  "$JOB_COMPLETION_INDEX, N from --shards / $THINCONV_SHARDS (or a "
+                                                  "whole 0..N-1 Slurm array)."),
+              shards: Optional[int] = typer.Option(None, "--shards", metavar="N", help="With --shard auto: the number "
+                                                   "of shards (as $THINCONV_SHARDS); keep it when resubmitting some "
+                                                   "tasks."),
+              report: Optional[Path] = typer.Option(None, "--report", metavar="FILE", help="Write a JSON Lines report: "
+                                                    "one line per finished job."),
               dry_run: bool = typer.Option(False, "--dry-run", help="List what would run and what would be "
                                            "skipped; write nothing."),
               retry_failed: bool = typer.Option(False, "--retry-failed", help="Run only the jobs the previous "
                                                 "--report FILE lists as failed."),
-              recipes: list[Path] = typer.Option([], "--recipes", help="Extra recipe folder (repeatable).")) -> None:
+              recipes: list[Path] = typer.Option([], "--recipes", metavar="DIR", help="Extra recipe folder "
+                                                 "(repeatable)."),
+              as_json: bool = typer.Option(False, "--json", help="Print one JSON object at the end (README: JSON "
+                                           "output); progress lines go to stderr.")) -> None:
     """Run many conversions from a jobs file: parallel, resumable (done jobs are skipped), shardable
     across a cluster. Exit 0 all succeeded, 1 some failed, 2 bad jobs file, 130/143 stopped by
     SIGINT/SIGTERM."""
     with _exit_on_signals(), reported():  # until the run starts, a signal ends the command at once
-        _batch(jobs_file, workers, shard, shards, report, dry_run, retry_failed, recipes)
+        _batch(jobs_file, workers, shard, shards, report, dry_run, retry_failed, recipes, as_json)
 
 
 @contextmanager
@@ -161,31 +186,24 @@ def _exit_on_signals():
 
 
 def _batch(jobs_file: Path, workers: Optional[int], shard: Optional[str], shards: Optional[int],
-           report: Optional[Path], dry_run: bool, retry_failed: bool, recipes: list[Path]) -> None:
-    from thinconv.batch import (failed_outs, load_jobs, plan_batch, read_report, resolve_shard, run_batch,
-                                shard_jobs, stop_on_signals)
-    from thinconv.recipe import load_registry
+           report: Optional[Path], dry_run: bool, retry_failed: bool, recipes: list[Path], as_json: bool) -> None:
+    from thinconv.batch import failed_outs, read_report, run_batch, stop_on_signals
 
+    say = err.print if as_json else out.print
     if shard is None and shards is not None:
         raise UsageError(f"--shards {shards} goes with --shard auto")
-    registry = load_registry(recipes)
-    try:
-        jobs = load_jobs(jobs_file, registry=registry)
-    except JobsFileError as e:
-        for problem in e.problems:
-            err.print(f"[bold red]error:[/] {escape(problem)}", markup=True)
-        err.print(f"{jobs_file}: {len(e.problems)} problem{'s' * (len(e.problems) > 1)}; nothing was run")
-        raise typer.Exit(2)
     if workers is not None and workers < 1:
         raise UsageError(f"--workers {workers}: expected ≥ 1")
     if retry_failed and report is None:
         raise UsageError("--retry-failed needs --report FILE (the previous run's report, rewritten by this run)")
+    jobs = _load(jobs_file, recipes, as_json)
     selected = jobs
     if shard is not None:
+        from thinconv.batch import resolve_shard, shard_jobs
         which = resolve_shard(shard, shards=shards)
         selected = shard_jobs(jobs, which.index, which.count)
         origin = f" ({which.origin})" if which.origin else ""
-        out.print(f"shard {which.index}/{which.count}{origin}: {len(selected)} of {len(jobs)} jobs")
+        say(f"shard {which.index}/{which.count}{origin}: {len(selected)} of {len(jobs)} jobs")
     keep_lines = None
     if retry_failed:
         previous = read_report(report)
@@ -193,24 +211,57 @@ def _batch(jobs_file: Path, workers: Optional[int], shard: Optional[str], shards
         selected = [j for j in selected if str(j.out) in failed]
         rerun = {str(j.out) for j in selected}
         keep_lines = [rec for rec in previous if rec["out"] not in rerun]
-        out.print(f"--retry-failed: {len(selected)} failed job{'s' * (len(selected) != 1)} to retry")
+        say(f"--retry-failed: {len(selected)} failed job{'s' * (len(selected) != 1)} to retry")
     if dry_run:
-        plans = plan_batch(selected, observer=PlainBatchLog())
-        for p in plans:
-            out.print(f"job {p.job.index} {p.action}: {p.job.source} → {p.job.out} ({p.reason})")
-        counts = {a: sum(p.action == a for p in plans) for a in ("run", "skip", "fail")}
-        out.print(f"dry run: {counts['run']} to run, {counts['skip']} to skip, {counts['fail']} failing; "
-                  f"nothing was written")
-        return
-    view = LiveBatchView(len(selected)) if out.is_terminal else PlainBatchLog()
+        return _dry_run(selected, as_json)
+    view = JsonBatchLog() if as_json else LiveBatchView(len(selected)) if out.is_terminal else PlainBatchLog()
     with stop_on_signals() as stop, view:
         summary = run_batch(selected, workers=workers, report=report, keep_lines=keep_lines,
                             recipe_dirs=recipes, observer=view, stop=stop)
+    code = stop.exit_code if summary.interrupted else 1 if summary.count("failed") else 0
+    if as_json:
+        print_json({"ok": summary.ok, "jobs": len(selected), "done": summary.count("done"),
+                    "skipped": summary.count("skipped"), "failed": summary.count("failed"),
+                    "seconds": round(summary.seconds, 3), "interrupted": summary.interrupted,
+                    "not_started": summary.not_started, "results": [result_json(r) for r in summary.results]})
+        raise typer.Exit(code)
     line = (f"batch: {len(selected)} job{'s' * (len(selected) != 1)}: {summary.count('done')} done, "
             f"{summary.count('skipped')} skipped, {summary.count('failed')} failed in {summary.seconds:.1f} s")
     if summary.interrupted:
         err.print(f"{line}; stopped by a signal, {summary.not_started} not started (no partial archive is left; "
                   f"rerun to finish)")
-        raise typer.Exit(stop.exit_code)
-    out.print(line)
-    raise typer.Exit(1 if summary.count("failed") else 0)
+    else:
+        out.print(line)
+    raise typer.Exit(code)
+
+
+def _load(jobs_file: Path, recipes: list[Path], as_json: bool) -> list:
+    """The jobs file, every problem in it listed (exit 2) before anything runs."""
+    from thinconv.batch import load_jobs
+    from thinconv.recipe import load_registry
+
+    try:
+        return load_jobs(jobs_file, registry=load_registry(recipes))
+    except JobsFileError as e:
+        headline = f"{jobs_file}: {len(e.problems)} problem{'s' * (len(e.problems) > 1)}; nothing was run"
+        if as_json:
+            fail(headline, 2, "jobs_file", problems=e.problems)
+        for problem in e.problems:
+            err.print(f"[bold red]error:[/] {escape(problem)}", markup=True)
+        err.print(headline)
+        raise typer.Exit(2)
+
+
+def _dry_run(selected: list, as_json: bool) -> None:
+    from thinconv.batch import plan_batch
+
+    plans = plan_batch(selected, observer=JsonBatchLog() if as_json else PlainBatchLog())
+    counts = {a: sum(p.action == a for p in plans) for a in ("run", "skip", "fail")}
+    if as_json:
+        print_json({"dry_run": True, "jobs": [{"job": p.job.index, "action": p.action, "source": p.job.source,
+                                               "out": str(p.job.out), "reason": p.reason} for p in plans], **counts})
+        return
+    for p in plans:
+        out.print(f"job {p.job.index} {p.action}: {p.job.source} → {p.job.out} ({p.reason})")
+    out.print(f"dry run: {counts['run']} to run, {counts['skip']} to skip, {counts['fail']} failing; "
+              f"nothing was written")

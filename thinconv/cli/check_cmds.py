@@ -11,23 +11,29 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from thinconv.cli.app import app, err, out, print_json, reported
+from thinconv.cli.app import app, err, examples, out, print_json, print_table, reported
 from thinconv.errors import UsageError
 
 
-@app.command()
-def check(archive: Path = typer.Argument(..., help="A .thin archive."),
-          against: Optional[str] = typer.Option(None, "--against", help="Source checkpoint (folder or hub id) to "
-                                                "compare with under transformers; default: the archive's probe."),
-          prompt: Optional[str] = typer.Option(None, "--prompt", help="Text, tokenized with the embedded tokenizer."),
-          tokens: Optional[str] = typer.Option(None, "--tokens", help="Comma-separated token ids."),
-          steps: Optional[int] = typer.Option(None, "--steps", help="Positions to compare (default: longer than "
-                                              "any sliding window)."),
-          revision: Optional[str] = typer.Option(None, "--revision", help="Hub revision of --against."),
+JSON = typer.Option(False, "--json", help="Print one JSON object (README: JSON output).")
+
+
+@app.command(epilog=examples("thinconv check tiny.thin", "thinconv check tiny.thin --against examples/tiny-llama",
+                             "thinconv check tiny.thin --prompt 'Once upon a time' --json"))
+def check(archive: Path = typer.Argument(..., metavar="ARCHIVE", help="A .thin archive."),
+          against: Optional[str] = typer.Option(None, "--against", metavar="SRC", help="Source checkpoint (folder or "
+                                                "hub id) to compare with under transformers; default: the archive's "
+                                                "probe."),
+          prompt: Optional[str] = typer.Option(None, "--prompt", metavar="TEXT", help="Text, tokenized with the "
+                                               "embedded tokenizer."),
+          tokens: Optional[str] = typer.Option(None, "--tokens", metavar="IDS", help="Comma-separated token ids."),
+          steps: Optional[int] = typer.Option(None, "--steps", metavar="N", help="Positions to compare (default: "
+                                              "longer than any sliding window)."),
+          revision: Optional[str] = typer.Option(None, "--revision", metavar="REV", help="Hub revision of --against."),
           strict: bool = typer.Option(False, "--strict", help="Also hold q4 archives to a KL bound."),
-          recipes: list[Path] = typer.Option([], "--recipes", help="Extra recipe folder (repeatable): the "
-                                             "archive's recipe, when it is not built in."),
-          as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
+          recipes: list[Path] = typer.Option([], "--recipes", metavar="DIR", help="Extra recipe folder "
+                                             "(repeatable): the archive's recipe, when it is not built in."),
+          as_json: bool = JSON) -> None:
     """Prove the archive computes what the source computes: per-position logit differences,
     top-1 agreement and KL, judged against bounds for the archive's dtype class."""
     from thinconv.check import archive_tokenizer, parse_tokens, run_check
@@ -69,7 +75,7 @@ def check(archive: Path = typer.Argument(..., help="A .thin archive."),
         for p in result.positions:
             table.add_row(str(p.position), f"{p.max_abs:.3g}", f"{p.max_rel:.3g}", "✓" if p.top1_match else "✗",
                           f"{p.kl:.3g}")
-        out.print(table)
+        print_table(table)
         s = result.summary()
         out.print(f"overall: max |Δlogit| {s['max_abs_diff']:.3g} (rel {s['max_rel_diff']:.3g}), top-1 "
                   f"{100 * s['top1_agreement']:.1f} %, mean KL {s['mean_kl']:.3g}, max KL {s['max_kl']:.3g}")
@@ -86,10 +92,12 @@ def check(archive: Path = typer.Argument(..., help="A .thin archive."),
     raise typer.Exit(0 if result.ok else 1)
 
 
-@app.command()
-def run(archive: Path = typer.Argument(..., help="A .thin archive."),
-        prompt: str = typer.Option(..., "--prompt", help="Text to continue."),
-        max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="Tokens to generate at most.")) -> None:
+@app.command(epilog=examples("thinconv run tiny.thin --prompt 'Once upon a time'",
+                             "thinconv run tiny.thin --prompt 'Once upon a time' --max-new-tokens 8 --json"))
+def run(archive: Path = typer.Argument(..., metavar="ARCHIVE", help="A .thin archive."),
+        prompt: str = typer.Option(..., "--prompt", metavar="TEXT", help="Text to continue."),
+        max_new_tokens: int = typer.Option(32, "--max-new-tokens", metavar="N", help="Tokens to generate at most."),
+        as_json: bool = JSON) -> None:
     """Greedy generation with the reference decoder and the embedded tokenizer (the archive alone)."""
     from thinconv.check import ArchiveProvider, archive_tokenizer
     from thinconv.decoder import Decoder
@@ -101,6 +109,13 @@ def run(archive: Path = typer.Argument(..., help="A .thin archive."),
         if not ids:
             raise UsageError("--prompt encodes to no tokens")
         decoder = Decoder(ArchiveProvider(a))
+        if as_json:
+            new = list(decoder.generate(ids, max_new_tokens))
+            text = tok.decode(list(ids) + new, skip_special_tokens=True)
+            shown = len(tok.decode(ids, skip_special_tokens=True))
+            print_json({"path": str(archive), "prompt": prompt, "prompt_tokens": list(ids), "tokens": new,
+                        "text": text[shown:]})
+            return
         sys.stdout.write(prompt)
         sys.stdout.flush()
         # Decode prompt + new tokens together (a tokenizer may attach a space or half a

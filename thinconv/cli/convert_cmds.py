@@ -4,84 +4,90 @@ start-up time)."""
 from __future__ import annotations
 
 import os
-import time
 import tomllib
 from pathlib import Path
 from typing import Optional
 
 import typer
 from rich.markup import escape
-from rich.progress import Progress
 from rich.table import Table
 
-from thinconv.cli.app import app, byte_progress, err, human, out, print_json, recipe_app, reported
+from thinconv.cli.app import (RichProgress, app, byte_progress, err, examples, human, out, print_json, print_table,
+                              recipe_app, reported)
 from thinconv.errors import RecipeError
-
-
-class RichProgress:
-    """Adapter from the converter's phases to a rich progress bar with bytes/s."""
-
-    def __init__(self, bar: Progress):
-        self.bar, self.task = bar, None
-
-    def start(self, phase: str, total: int) -> None:
-        if self.task is not None:
-            self.bar.remove_task(self.task)
-        self.task = self.bar.add_task(phase, total=total)
-
-    def advance(self, n: int) -> None:
-        self.bar.advance(self.task, n)
 
 
 def run_conversion(src: str, output: Path, recipe_name: Optional[str], dtype: str, page_size: str,
                    revision: Optional[str], rope_layout: str, keep: list[str], force: bool, strict: bool,
                    dry_run: bool, as_json: bool, recipes: list[Path], probe: bool = True,
                    allow_config_keys: tuple[str, ...] = ()) -> None:
-    from thinconv.convert import convert, open_plan
+    from thinconv.api import convert
+    from thinconv.convert import open_plan
     from thinconv.format.writer import check_output
     from thinconv.plan import ConvertOptions, parse_keep, parse_page_size
     from thinconv.recipe import load_registry
 
     with reported():
-        options = ConvertOptions(dtype=dtype, page_size=parse_page_size(page_size), rope_layout=rope_layout,
-                                 keep=parse_keep(keep), strict=strict, probe=probe,
-                                 allow_config_keys=tuple(allow_config_keys))
-        if not dry_run:
+        if dry_run:  # everything the real run would check, and fail on, before writing
+            options = ConvertOptions(dtype=dtype, page_size=parse_page_size(page_size), rope_layout=rope_layout,
+                                     keep=parse_keep(keep), strict=strict, probe=probe,
+                                     allow_config_keys=tuple(allow_config_keys))
             check_output(output, force)
-        t0 = time.perf_counter()
-        with open_plan(src, options, recipe=recipe_name, revision=revision, registry=load_registry(recipes)) as (ckpt, plan):
-            if dry_run:
+            with open_plan(src, options, recipe=recipe_name, revision=revision,
+                           registry=load_registry(recipes)) as (_, plan):
                 render_plan(plan, as_json)
-                return
-            with byte_progress(enabled=not as_json) as bar:
-                result = convert(ckpt, plan, output, force=force, progress=RichProgress(bar))
-    seconds = time.perf_counter() - t0
+            return
+        with byte_progress(enabled=not as_json) as bar:
+            summary = convert(src, output, dtype=dtype, page_size=page_size, keep=keep, rope_layout=rope_layout,
+                              recipe=recipe_name, revision=revision, force=force, strict=strict, probe=probe,
+                              allow_config_keys=allow_config_keys, recipes=recipes, progress=RichProgress(bar))
     if as_json:
-        print_json({"path": str(result.path), "size": result.size, "page_count": result.page_count,
-                    "archive_hash": result.archive_hash, "seconds": round(seconds, 3), "recipe": plan.recipe.name,
-                    "warnings": result.warnings, "quant": result.quant_overall})
+        print_json(summary)
         return
-    dtypes: dict[str, int] = {}
-    for t in result.manifest["tensors"]:
-        dtypes[t["dtype"]] = dtypes.get(t["dtype"], 0) + 1
-    out.print(f"[bold green]wrote[/] {escape(str(result.path))}  {human(result.size)}, {len(result.manifest['tensors'])} tensors "
-              f"({', '.join(f'{n} {d}' for d, n in dtypes.items())}), {result.page_count} pages, "
-              f"recipe {escape(plan.recipe.name)}, {seconds:.1f} s ({human(int(plan.total_bytes / max(seconds, 1e-9)))}/s)",
+    render_conversion(summary)
+
+
+def render_conversion(s: dict) -> None:
+    """The text summary of a conversion (the same data as `--json`)."""
+    from thinconv.summary import compact_names, source_label
+
+    out.print(f"[bold green]wrote[/] {escape(s['path'])}  {human(s['size'])}, {s['tensor_count']} tensors "
+              f"({', '.join(f'{n} {d}' for d, n in s['dtypes'].items())}), {s['page_count']} pages, "
+              f"recipe {escape(s['recipe'])}, {s['seconds']:.1f} s ({human(s['size'] / max(s['seconds'], 1e-3))}/s)",
               markup=True)
-    out.print(f"archive hash {result.archive_hash}")
-    q = result.quant_overall
+    if s["source"]["repo_id"]:
+        out.print(f"source {source_label(s['source'])}")
+    out.print(f"archive hash {s['archive_hash']}")
+    render_kept_wider(s["kept_wider"], compact_names)
+    q = s["quant"]
     if q:
         out.print(f"quantization: {q['tensors']} tensors, overall rel_rmse {q['rel_rmse']:.4g} "
                   f"(worst: {q['worst']})")
-    for w in result.warnings:
+    for w in s["warnings"]:
         err.print(f"[yellow]warning:[/] {escape(w)}", markup=True)
 
 
+def render_kept_wider(kept: list[dict], compact_names) -> None:
+    """One line per (stored dtype, reason): every tensor kept wider than asked is named."""
+    if not kept:
+        return
+    groups: dict[tuple[str, str], list[str]] = {}
+    for k in kept:
+        groups.setdefault((k["dtype"], k["reason"]), []).append(k["tensor"])
+    out.print(f"kept wider than asked: {len(kept)} tensor{'s' * (len(kept) != 1)}")
+    for (dtype, reason), names in groups.items():
+        out.print(f"  {dtype}: {compact_names(names)} ({reason})")
+
+
 def render_plan(plan, as_json: bool) -> None:
+    from thinconv.summary import compact_names, kept_wider
+
     d = plan.describe()
+    d["kept_wider"] = kept_wider(plan)
     if as_json:
         print_json(d)
         return
+    wider = {k["tensor"] for k in d["kept_wider"]}
     table = Table(title=f"plan: recipe {d['recipe']}, {len(d['tensors'])} tensors, {d['page_count']} pages, "
                         f"{human(d['bytes'])} (dry run: nothing read or written)", title_justify="left")
     for col in ("name", "source", "shape", "dtype", "bytes", "pages"):
@@ -89,8 +95,9 @@ def render_plan(plan, as_json: bool) -> None:
     for t in d["tensors"]:
         dt = t["dtype"] if t["dtype"] == t["source_dtype"] else f"{t['source_dtype']} → {t['dtype']}"
         table.add_row(t["name"], ", ".join(t["source"]) or "(derived)", "×".join(map(str, t["shape"])),
-                      dt + (" *" if "note" in t else ""), human(t["bytes"]), str(t["pages"]))
-    out.print(table)
+                      dt + (" *" if t["name"] in wider else ""), human(t["bytes"]), str(t["pages"]))
+    print_table(table)
+    render_kept_wider(d["kept_wider"], compact_names)
     for t in d["tensors"]:
         if "note" in t:
             out.print(f"* {t['name']}: {t['note']}")
@@ -100,26 +107,36 @@ def render_plan(plan, as_json: bool) -> None:
         out.print("ignored source tensors: " + ", ".join(d["ignored"]))
 
 
+JSON = typer.Option(False, "--json", help="Print one JSON object (README: JSON output).")
+RECIPES = typer.Option([], "--recipes", metavar="DIR", help="Extra recipe folder (repeatable).")
+
+
 def make_convert_command(recipe_name: Optional[str], help_text: str):
     def command(
-        src: str = typer.Argument(..., help="A local checkpoint folder or a Hugging Face repo id (org/name)."),
-        output: Path = typer.Argument(..., help="The .thin archive to write."),
-        dtype: str = typer.Option("auto", "--dtype", help="auto (the source dtype; bf16 for an fp8 source) | bf16 | f16 "
-                                                          "| f32 | q8_0 | q4_0 | q4_1"),
-        page_size: str = typer.Option("16MiB", "--page-size", help="Largest page; big tensors split by whole rows."),
-        revision: Optional[str] = typer.Option(None, "--revision", help="Hub branch, tag or commit."),
-        rope_layout: str = typer.Option("half", "--rope-layout", help="half (HF rotate_half) | interleaved"),
-        keep: list[str] = typer.Option([], "--keep", help="ROLE_GLOB=DTYPE override, repeatable (e.g. 'ffn_down*=q8_0')."),
+        src: str = typer.Argument(..., metavar="SRC", help="A local checkpoint folder or a Hugging Face repo id "
+                                  "(org/name)."),
+        output: Path = typer.Argument(..., metavar="OUTPUT", help="The .thin archive to write."),
+        dtype: str = typer.Option("auto", "--dtype", metavar="DTYPE", help="auto (the source dtype; bf16 for an fp8 "
+                                  "source) | bf16 | f16 | f32 | q8_0 | q4_0 | q4_1"),
+        page_size: str = typer.Option("16MiB", "--page-size", metavar="SIZE", help="Largest page (bytes, or e.g. "
+                                      "4MiB); big tensors split by whole rows."),
+        revision: Optional[str] = typer.Option(None, "--revision", metavar="REV", help="Hub branch, tag or commit."),
+        rope_layout: str = typer.Option("half", "--rope-layout", metavar="LAYOUT",
+                                        help="half (HF rotate_half) | interleaved"),
+        keep: list[str] = typer.Option([], "--keep", metavar="ROLE_GLOB=DTYPE",
+                                       help="Store matching roles in DTYPE (repeatable; e.g. 'ffn_down*=q8_0')."),
         force: bool = typer.Option(False, "--force", help="Overwrite an existing output."),
         strict: bool = typer.Option(False, "--strict", help="Fail on NaN/Inf weights."),
-        dry_run: bool = typer.Option(False, "--dry-run", help="Print the full plan without reading tensor data."),
-        as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
-        recipes: list[Path] = typer.Option([], "--recipes", help="Extra recipe folder (repeatable)."),
+        dry_run: bool = typer.Option(False, "--dry-run", help="Print the full plan without reading tensor data "
+                                     "(fails where the real run would)."),
+        as_json: bool = JSON,
+        recipes: list[Path] = RECIPES,
         probe: bool = typer.Option(True, "--probe/--no-probe", help="Store reference logits (validation.probe)."),
-        allow_config_key: list[str] = typer.Option([], "--allow-config-key", help="A config.json key the recipe does not "
-                                                   "understand, converted anyway on your responsibility (repeatable)."),
-        upload_repo: Optional[str] = typer.Option(None, "--upload-repo", help="Then publish the archive to this Hub "
-                                                  "repo (ORG/NAME) with a model card (see `thinconv upload`)."),
+        allow_config_key: list[str] = typer.Option([], "--allow-config-key", metavar="KEY",
+                                                   help="A config.json key the recipe does not understand, converted "
+                                                        "anyway on your responsibility (repeatable)."),
+        upload_repo: Optional[str] = typer.Option(None, "--upload-repo", metavar="ORG/NAME", help="Then publish the "
+                                                  "archive to this Hub repo with a model card (see `thinconv upload`)."),
         model_card: bool = typer.Option(False, "--model-card", help="Also write the model card beside the output "
                                         "(out.thin → out.README.md)."),
     ) -> None:
@@ -135,14 +152,21 @@ def make_convert_command(recipe_name: Optional[str], help_text: str):
     return command
 
 
-app.command("convert")(make_convert_command(None, "Convert a checkpoint, picking the recipe from config.json's architectures."))
+def convert_examples(name: str) -> str:
+    src = "examples/tiny-llama" if name in ("convert", "llama") else f"./my-{name}-checkpoint"
+    return examples(f"thinconv {name} {src} tiny.thin --force",
+                    f"thinconv {name} {src} tiny-q8.thin --dtype q8_0 --keep 'ffn_down*=bf16' --force",
+                    f"thinconv {name} ORG/NAME out.thin --revision main --dry-run")
+
+
+app.command("convert", epilog=convert_examples("convert"))(
+    make_convert_command(None, "Convert a checkpoint, picking the recipe from config.json's architectures."))
 
 app.add_typer(recipe_app, name="recipe")
 
 
-@app.command("recipes")
-def list_recipes(recipes: list[Path] = typer.Option([], "--recipes", help="Extra recipe folder (repeatable)."),
-                 as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
+@app.command("recipes", epilog=examples("thinconv recipes", "thinconv recipes --recipes my-recipes/ --json"))
+def list_recipes(recipes: list[Path] = RECIPES, as_json: bool = JSON) -> None:
     """List the recipes available (built-in, $THINCONV_RECIPES, --recipes)."""
     from thinconv.recipe import load_registry
 
@@ -158,18 +182,21 @@ def list_recipes(recipes: list[Path] = typer.Option([], "--recipes", help="Extra
         table.add_column(col)
     for r in rows:
         table.add_row(r["name"], ", ".join(r["architectures"]), " → ".join(r["extends"]), r["path"], r["description"])
-    out.print(table)
+    print_table(table)
     for note in reg.shadowed:
         out.print(f"note: {note}")
 
 
-@recipe_app.command("check")
-def check_recipe(recipe: str = typer.Argument(..., help="A recipe name, or the path of a recipe .toml file."),
-                 src: str = typer.Argument(..., help="A checkpoint folder or hub repo id."),
-                 revision: Optional[str] = typer.Option(None, "--revision"),
-                 recipes: list[Path] = typer.Option([], "--recipes", help="Extra recipe folder (repeatable)."),
-                 as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
-    """Dry-run a recipe against a checkpoint: unmapped tensors, missing roles, shape mismatches."""
+@recipe_app.command("check", epilog=examples("thinconv recipe check llama examples/tiny-llama",
+                                             "thinconv recipe check my-recipe.toml ./ckpt --json"))
+def check_recipe(recipe: str = typer.Argument(..., metavar="RECIPE", help="A recipe name, or the path of a recipe "
+                                              ".toml file."),
+                 src: str = typer.Argument(..., metavar="SRC", help="A checkpoint folder or hub repo id."),
+                 revision: Optional[str] = typer.Option(None, "--revision", metavar="REV",
+                                                        help="Hub branch, tag or commit of SRC."),
+                 recipes: list[Path] = RECIPES, as_json: bool = JSON) -> None:
+    """Dry-run a recipe against a checkpoint: unmapped tensors, missing roles, shape mismatches.
+    Exit 0 when it would convert, 1 when not."""
     from thinconv.checkpoint.source import open_checkpoint
     from thinconv.mapping import map_checkpoint
     from thinconv.recipe import load_registry
@@ -216,5 +243,6 @@ def register_recipe_commands(argv: list[str]) -> None:
     except RecipeError:
         return  # a broken user recipe: `thinconv recipes` / `convert` report it when run
     for r in registry.recipes.values():
-        app.command(r.name)(make_convert_command(r.name, f"Convert a {', '.join(r.architectures)} checkpoint "
-                                                         f"(recipe {r.name}: {r.description})."))
+        app.command(r.name, epilog=convert_examples(r.name))(
+            make_convert_command(r.name, f"Convert a {', '.join(r.architectures)} checkpoint "
+                                         f"(recipe {r.name}: {r.description})."))

@@ -11,41 +11,36 @@ from typing import Optional
 import typer
 from rich.markup import escape
 
-from thinconv.cli.app import app, byte_progress, err, human, out, print_json, reported
+from thinconv.cli.app import RichProgress, app, byte_progress, err, examples, human, out, print_json, reported
 from thinconv.errors import UsageError
 
 FORMATS = ("safetensors", "gguf")
 
 
-@app.command("export")
+JSON = typer.Option(False, "--json", help="Print one JSON object (README: JSON output).")
+
+
+@app.command("export", epilog=examples("thinconv export model.thin hf-model/ --to safetensors",
+                                       "thinconv export model.thin hf-model/ --dtype bf16 --force",
+                                       "thinconv export model-q8_0.thin model-q8_0.gguf --to gguf"))
 def export_cmd(
-    archive: Path = typer.Argument(..., help="A .thin archive."),
-    output: Path = typer.Argument(..., help="The folder to write (--to safetensors) or the .gguf file (--to gguf)."),
-    to: str = typer.Option("safetensors", "--to", help="safetensors (a Hugging Face folder) | gguf (llama.cpp)"),
-    dtype: str = typer.Option("auto", "--dtype", help="safetensors: auto (every value exactly: floats as stored, "
+    archive: Path = typer.Argument(..., metavar="ARCHIVE", help="A .thin archive."),
+    output: Path = typer.Argument(..., metavar="OUTPUT", help="The folder to write (--to safetensors) or the .gguf "
+                                  "file (--to gguf)."),
+    to: str = typer.Option("safetensors", "--to", metavar="FORMAT", help="safetensors (a Hugging Face folder) | gguf (llama.cpp)"),
+    dtype: str = typer.Option("auto", "--dtype", metavar="DTYPE", help="safetensors: auto (every value exactly: floats as stored, "
                                                        "quantized tensors dequantized to f32) | bf16 | f16 | f32"),
-    max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="safetensors: largest shard file "
+    max_shard_size: str = typer.Option("5GB", "--max-shard-size", metavar="SIZE", help="safetensors: largest shard file "
                                        "(e.g. 5GB, 500MB); more than one adds model.safetensors.index.json."),
-    tokenizer_pre: Optional[str] = typer.Option(None, "--tokenizer-pre", help="gguf: llama.cpp's BPE pre-tokenizer "
+    tokenizer_pre: Optional[str] = typer.Option(None, "--tokenizer-pre", metavar="NAME", help="gguf: llama.cpp's BPE pre-tokenizer "
                                                 "name, when it does not know the tokenizer (e.g. llama-bpe, qwen2)."),
     force: bool = typer.Option(False, "--force", help="Replace an existing output."),
-    recipes: list[Path] = typer.Option([], "--recipes", help="Extra recipe folder (repeatable), for an archive "
+    recipes: list[Path] = typer.Option([], "--recipes", metavar="DIR", help="Extra recipe folder (repeatable), for an archive "
                                        "converted with a user recipe."),
-    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    as_json: bool = JSON,
 ) -> None:
     """Export an archive: a Hugging Face folder (config, tokenizer, safetensors under the source's
-    tensor names; transformers loads it) or a GGUF file in llama.cpp's conventions.
-
-    Examples:
-
-      thinconv export model.thin hf-model/ --to safetensors
-
-      thinconv export model.thin hf-model/ --dtype bf16 --force
-
-      thinconv export model-q8_0.thin model-q8_0.gguf --to gguf
-    """
-    from thinconv.cli.convert_cmds import RichProgress
-
+    tensor names; transformers loads it) or a GGUF file in llama.cpp's conventions."""
     with reported():
         if to not in FORMATS:
             raise UsageError(f"--to {to!r}: expected one of {', '.join(FORMATS)}")
@@ -85,29 +80,23 @@ def _size(text: str) -> int:
     return int(float(m.group(1)) * base ** "_KMGT".index(m.group(2).upper() or "_"))
 
 
-@app.command("upload")
+@app.command("upload", epilog=examples("thinconv upload llama-1b-q8_0.thin my-org/Llama-3.2-1B-thin",
+                                       "thinconv upload llama-1b-q8_0.thin my-org/Llama-3.2-1B-thin --check --private",
+                                       "thinconv upload llama-1b-q8_0.thin my-org/Llama-3.2-1B-thin --check-result "
+                                       "check.json"))
 def upload_cmd(
-    archive: Path = typer.Argument(..., help="A .thin archive."),
-    repo_id: str = typer.Argument(..., help="The Hub model repo to publish to, ORG/NAME (created if missing)."),
+    archive: Path = typer.Argument(..., metavar="ARCHIVE", help="A .thin archive."),
+    repo_id: str = typer.Argument(..., metavar="ORG/NAME", help="The Hub model repo to publish to, ORG/NAME (created if missing)."),
     check: bool = typer.Option(False, "--check", help="Run `thinconv check` against the archive's probe first; "
                                "record it in the card, and upload nothing if it fails."),
-    check_result: Optional[Path] = typer.Option(None, "--check-result", help="A saved `thinconv check --json` "
+    check_result: Optional[Path] = typer.Option(None, "--check-result", metavar="FILE", help="A saved `thinconv check --json` "
                                                 "result to record in the card (e.g. a check --against the source)."),
     private: bool = typer.Option(False, "--private", help="Create the repo private."),
-    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    as_json: bool = JSON,
 ) -> None:
     """Publish an archive to the Hugging Face Hub with a generated model card (README.md):
-    verified first, then uploaded with $HF_TOKEN.
-
-    Examples:
-
-      thinconv upload llama-1b-q8_0.thin my-org/Llama-3.2-1B-thin
-
-      thinconv upload llama-1b-q8_0.thin my-org/Llama-3.2-1B-thin --check --private
-
-      thinconv check llama-1b-q8_0.thin --against meta-llama/Llama-3.2-1B --json > check.json &&
-      thinconv upload llama-1b-q8_0.thin my-org/Llama-3.2-1B-thin --check-result check.json
-    """
+    verified first, then uploaded with $HF_TOKEN. --check-result takes the saved output of e.g.
+    `thinconv check ARCHIVE --against SRC --json > check.json`."""
     from thinconv.publish import read_check_result, upload
 
     with reported():

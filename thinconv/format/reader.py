@@ -48,6 +48,19 @@ class PageRecord:
     record_offset: int  # where this record starts in the file, for messages
 
 
+@dataclass(frozen=True)
+class TensorPage:
+    """One page of a tensor, for a runtime that maps, streams or DMAs pages itself: the bytes
+    [offset, offset + size) of the file hold rows [rows[0], rows[1]) of the tensor's
+    [rows, cols] matrix (an expert tensor [E, r, c] has E·r rows); offset is a multiple of 4096."""
+
+    id: str
+    offset: int
+    size: int
+    rows: tuple[int, int]
+    checksum: str  # BLAKE3 of the page's bytes, 64 hex digits
+
+
 @dataclass
 class VerifyReport:
     """What `verify()` found: an empty `failures` means the archive is valid."""
@@ -66,6 +79,7 @@ class Archive:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         self._name = self.path.name
+        self._cow: mmap.mmap | None = None  # a private copy-on-write mapping, made on first use
         try:
             self._file = open(self.path, "rb")
         except OSError as e:
@@ -192,14 +206,21 @@ class Archive:
 
     @property
     def model(self) -> dict:
+        """The manifest's `model` section: dimensions, RoPE, attention, norms… (FORMAT.md §2.1)."""
         return self.manifest["model"]
 
     @property
     def tensor_names(self) -> list[str]:
+        """Every tensor's name, in decode order (the manifest's order)."""
         return list(self._tensors)
 
+    @property
+    def asset_names(self) -> list[str]:
+        """The embedded source files (config.json, tokenizer.json, …), in manifest order."""
+        return list(self._assets)
+
     def tensor_info(self, name: str) -> dict:
-        """The manifest entry of a tensor."""
+        """The manifest entry of a tensor (name, role, layer, source, shape, dtype, quant, hints, pages)."""
         try:
             return self._tensors[name]
         except KeyError:
@@ -210,6 +231,21 @@ class Archive:
             return self._page_index[page_id]
         except KeyError:
             raise ThinFormatError(f"{self._name}: no page with id {page_id!r}") from None
+
+    def tensor_pages(self, name: str) -> list[TensorPage]:
+        """A tensor's pages in row order, with their file offsets: what a runtime needs to mmap,
+        pread or DMA the pages itself (see `fileno()`)."""
+        rows = {p["id"]: p["rows"] for p in self.manifest["pages"] if p.get("tensor") == name}
+        out = []
+        for pid in self.tensor_info(name)["pages"]:
+            rec = self.page(pid)
+            start, end = rows[pid]
+            out.append(TensorPage(pid, rec.offset, rec.size, (start, end), rec.checksum.hex()))
+        return out
+
+    def fileno(self) -> int:
+        """The archive's open file descriptor (read-only), for os.pread / mmap / O_DIRECT readers."""
+        return self._file.fileno()
 
     def page_bytes(self, page_id: str) -> memoryview:
         """The stored bytes of a page: a zero-copy, read-only view."""
@@ -224,9 +260,11 @@ class Archive:
             raise ThinFormatError(f"{self._name}: no asset named {name!r}") from None
         return b"".join(self.page_bytes(pid) for pid in asset["pages"])
 
-    def tensor_bytes(self, name: str) -> np.ndarray:
+    def tensor_bytes(self, name: str, *, private: bool = False) -> np.ndarray:
         """A tensor's stored bytes as uint8 [rows, row_bytes]: zero-copy when its pages are contiguous
-        in the file (thinconv sizes pages so they are), a copy otherwise."""
+        in the file (thinconv sizes pages so they are), a copy otherwise. Read-only, unless
+        `private`: then a writable view of the archive's private copy-on-write mapping (writes
+        stay in this process, seen by its other private views; the file never changes)."""
         import numpy as np  # lazy: `inspect` and `verify` never read a tensor (start-up time)
 
         t = self.tensor_info(name)
@@ -234,12 +272,18 @@ class Archive:
         rb = dtypes.row_bytes(t["dtype"], cols)
         recs = [self.page(pid) for pid in t["pages"]]
         contiguous = all(b.offset == a.offset + a.size for a, b in zip(recs, recs[1:]))
+        buf = self._private_map() if private else self._mm
         if contiguous:
-            flat = np.frombuffer(self._mm, np.uint8, count=n_rows * rb, offset=recs[0].offset)
+            flat = np.frombuffer(buf, np.uint8, count=n_rows * rb, offset=recs[0].offset)
         else:
-            flat = np.concatenate([np.frombuffer(self._mm, np.uint8, r.size, r.offset) for r in recs])
-            flat.flags.writeable = False
+            flat = np.concatenate([np.frombuffer(buf, np.uint8, r.size, r.offset) for r in recs])
+            flat.flags.writeable = private
         return flat.reshape(n_rows, rb)
+
+    def _private_map(self) -> mmap.mmap:
+        if self._cow is None:
+            self._cow = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_COPY)
+        return self._cow
 
     def release(self, name: str) -> None:
         """Drop a tensor's mapped pages from this process's resident memory (the OS page cache
@@ -249,30 +293,39 @@ class Archive:
             p = self.page(pid)
             drop_resident(self._mm, p.offset, p.size)
 
-    def tensor(self, name: str) -> np.ndarray:
-        """A float tensor as a read-only numpy array of its dtype and shape (bf16 via ml_dtypes);
-        block-quantized tensors come back as their raw uint8 blocks (see `dequantize`)."""
+    def tensor(self, name: str, *, private: bool = False) -> np.ndarray:
+        """A float tensor as a zero-copy, read-only numpy view of its stored bytes, in its dtype
+        and shape (bf16 via ml_dtypes); block-quantized tensors come back as their raw uint8
+        blocks [rows, row_bytes] (see `dequantize`). `private=True`: writable, over a private
+        copy-on-write mapping (what `torch.from_numpy` needs to share the memory without a warning)."""
         t = self.tensor_info(name)
-        raw = self.tensor_bytes(name)
+        raw = self.tensor_bytes(name, private=private)
         if dtypes.is_block(t["dtype"]):
             return raw
         return raw.view(dtypes.numpy_dtype(t["dtype"])).reshape(t["shape"])
 
-    def dequantize(self, name: str, rows: tuple[int, int] | None = None) -> np.ndarray:
-        """A tensor as float32 in its shape, decoding block-quantized dtypes; `rows` = (start, end)
-        selects rows of its [rows, cols] matrix instead (an expert tensor [E, r, c] has E·r rows)."""
+    def dequantize(self, name: str, rows: tuple[int, int] | None = None, *, dtype: str | np.dtype = "float32"
+                   ) -> np.ndarray:
+        """A tensor decoded to floats in its shape, as a new writable array: float32 by default,
+        or `dtype` "bfloat16" / "float16" (also "bf16", "f16", "f32", or a numpy dtype); block
+        types are decoded, then rounded to nearest even. `rows` = (start, end) selects rows of
+        its [rows, cols] matrix instead (an expert tensor [E, r, c] has E·r rows)."""
         t = self.tensor_info(name)
+        want = _float_dtype(dtype)
         raw = self.tensor_bytes(name)
         n_rows, cols = spec.rows_and_cols(t["shape"])
         start, end = rows if rows is not None else (0, n_rows)
         if not 0 <= start <= end <= n_rows:
             raise ThinFormatError(f"{self._name}: rows {rows} are outside [0, {n_rows}) of {name!r}")
         if not dtypes.is_block(t["dtype"]):
-            out = raw[start:end].view(dtypes.numpy_dtype(t["dtype"])).astype(dtypes.numpy_dtype("f32"))
+            stored = raw[start:end].view(dtypes.numpy_dtype(t["dtype"]))
+            out = stored.copy() if stored.dtype == want else stored.astype(want)
         else:
             from thinconv.format.blocks import dequantize_rows  # lazy: numpy (`inspect` start-up time)
 
             out = dequantize_rows(raw[start:end], t["dtype"], cols)
+            if out.dtype != want:
+                out = out.astype(want)
         if rows is None:
             return out.reshape(t["shape"])
         return out.reshape(end - start) if len(t["shape"]) == 1 else out.reshape(end - start, cols)
@@ -349,12 +402,12 @@ class Archive:
     # -- lifetime --
 
     def close(self) -> None:
-        mm = getattr(self, "_mm", None)
-        if mm is not None:
-            try:
-                mm.close()
-            except BufferError:
-                pass  # numpy views still use it; the mapping goes when they do
+        for mm in (getattr(self, "_mm", None), getattr(self, "_cow", None)):
+            if mm is not None:
+                try:
+                    mm.close()
+                except BufferError:
+                    pass  # numpy views still use it; the mapping goes when they do
         self._file.close()
 
     def __enter__(self) -> "Archive":
@@ -367,3 +420,57 @@ class Archive:
 def open_archive(path: str | os.PathLike) -> Archive:
     """Open a .thin archive, checking its structure (not yet its checksums: see `Archive.verify`)."""
     return Archive(path)
+
+
+_FLOAT_NAMES = {"float32": "f32", "f32": "f32", "bfloat16": "bf16", "bf16": "bf16", "float16": "f16", "f16": "f16"}
+
+
+def _float_dtype(dtype) -> np.dtype:
+    """The numpy dtype for `dequantize(dtype=...)`: float32, bfloat16 or float16, by name or numpy dtype."""
+    import numpy as np
+
+    name = _FLOAT_NAMES.get(dtype) if isinstance(dtype, str) else None
+    if name is None and not isinstance(dtype, str):
+        try:
+            name = _FLOAT_NAMES.get(np.dtype(dtype).name)
+        except TypeError:
+            name = None
+    if name is None:
+        raise ThinFormatError(f"dequantize: dtype {dtype!r} is not one of float32, bfloat16, float16")
+    return dtypes.numpy_dtype(name)
+
+
+def truncation(path: str | os.PathLike) -> tuple[int, int, bool] | None:
+    """(size, expected, exact) when `path` starts like a THIN archive but is shorter than its
+    header and page table say it is: `expected` is the size they imply (`exact`), or a lower bound
+    of it when the header or page table itself is cut; None otherwise. For messages that say
+    "truncated" rather than only which field runs past the end."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(spec.HEADER_LEN)
+            if not head or not (head.startswith(spec.MAGIC) or spec.MAGIC.startswith(head)):
+                return None
+            if len(head) < spec.HEADER_LEN:
+                return size, spec.HEADER_LEN, False
+            _, _, _, m_off, m_len, pt_off, count, data_off, _ = spec.HEADER.unpack(head)
+            if not 0 < count <= 1 << 32 or pt_off != m_off + m_len:
+                return None
+            if data_off > size:
+                return size, data_off, False
+            f.seek(pt_off)
+            table = f.read(data_off - pt_off)
+    except OSError:
+        return None
+    pos, end = 0, 0
+    for _ in range(count):
+        if pos + 2 > len(table):
+            return None
+        id_len = int.from_bytes(table[pos: pos + 2], "little")
+        tail = pos + 2 + id_len
+        if tail + spec.RECORD_TAIL.size > len(table):
+            return None
+        offset, stored, *_ = spec.RECORD_TAIL.unpack(table[tail: tail + spec.RECORD_TAIL.size])
+        end = max(end, offset + stored)
+        pos = tail + spec.RECORD_TAIL.size
+    return (size, end, True) if end > size else None
