@@ -128,7 +128,7 @@ def dtype_class(archive: Archive, source_dtypes: dict[str, str] | None) -> str:
     for t in archive.manifest["tensors"]:
         if dtypes.is_block(t["dtype"]):
             classes.add(dtypes.get(t["dtype"]).check_class)
-        elif len(t["shape"]) == 2:
+        elif len(t["shape"]) >= 2:  # matrices and [E, rows, cols] expert tensors
             src = (source_dtypes or {}).get(t["name"], probe_src)
             exact = src == t["dtype"] or (t["dtype"] == "f32" and src in ("f16", "bf16")) or \
                 (t["dtype"] == "f16" and src == "f16")
