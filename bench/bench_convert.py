@@ -34,7 +34,8 @@ import ml_dtypes
 import numpy as np
 
 TARGETS = {"auto": 1.5, "f16": 2.0, "q8_0": 3.0, "q4_0": 4.0}  # seconds at 1×, 2-core machine
-THINCONV = [sys.executable, "-m", "thinconv.cli"]
+# the console script of this interpreter's environment (thinconv.cli is a package: no `-m thinconv.cli`)
+THINCONV = [str(Path(sys.executable).parent / "thinconv")]
 
 
 def make_checkpoint(root: Path, layers: int, hidden: int = 2048, inter: int = 5632, heads: int = 32, kv: int = 8,
@@ -226,6 +227,20 @@ def report(results: dict[str, dict], runs: int) -> str:
     return "\n".join(lines)
 
 
+def build_in_child(make, root: Path, layers: int) -> Path:
+    """Build a checkpoint in a spawned process: building holds ~1 GB of arrays, and a child forked
+    later would start with this process's peak RSS (Linux ru_maxrss survives fork and exec), which
+    would then be reported as the conversion's."""
+    import multiprocessing
+
+    proc = multiprocessing.get_context("spawn").Process(target=make, args=(root, layers))
+    proc.start()
+    proc.join()
+    if proc.exitcode != 0:
+        raise SystemExit(f"building {root} failed")
+    return root
+
+
 MOE_TARGET = 1.3  # × the dense model's time for the same bytes (issue 12)
 
 
@@ -271,7 +286,7 @@ def main() -> None:
     models = {"1×": 10} if args.no_2x else {"1×": 10, "2×": 24}  # 24 layers: 2.04× the bytes
     results = {}
     for label, layers in models.items():
-        src = make_checkpoint(args.cache / f"llama-h2048-l{layers}", layers)
+        src = build_in_child(make_checkpoint, args.cache / f"llama-h2048-l{layers}", layers)
         work = args.work or args.cache / "work"
         work.mkdir(parents=True, exist_ok=True)
         print(f"{label}: {src} …", file=sys.stderr, flush=True)
@@ -283,7 +298,7 @@ def main() -> None:
         moe_models = {"1×": 5} if args.no_2x else {"1×": 5, "2×": 12}  # 12 layers: 2.09× the bytes
         moe_results = {}
         for label, layers in moe_models.items():
-            src = make_moe_checkpoint(args.cache / f"mixtral-h2048-e8-l{layers}", layers)
+            src = build_in_child(make_moe_checkpoint, args.cache / f"mixtral-h2048-e8-l{layers}", layers)
             work = args.work or args.cache / "work"
             work.mkdir(parents=True, exist_ok=True)
             print(f"MoE {label}: {src} …", file=sys.stderr, flush=True)
