@@ -5,9 +5,15 @@ Builds (once, cached) a Llama-shaped bf16 checkpoint of about 1.2 GB in 3 shards
 2× the layers. Reports medians of several runs with a warm page cache: wall time, GB/s of
 source bytes, the ratio to `cp`, and peak RSS, for `--dtype auto` (bf16 passthrough), f16, q8_0
 and q4_0 (default options: probe included), plus `verify` GB/s and `inspect` start-up.
+
+The mixture-of-experts case (issue 12): a Mixtral-shaped bf16 checkpoint of about 1.2 GB in the
+Hub's per-expert layout (hidden 2048, 8 experts of width 1664, 5 layers, vocab 32000, 32/8 heads,
+`block_sparse_moe.experts.{e}.w1/w2/w3`, stacked by the converter into [8, f, hidden] expert tensors)
+and the same at 12 layers (2.1×), converted bf16 → bf16 and to q8_0, each next to `cp` and next
+to the dense model's time scaled to the same bytes (target ≤ 1.3×), with peak RSS.
 Not a test: run it by hand.
 
-    python bench/bench_convert.py [--runs 5] [--cache DIR] [--results bench/RESULTS.md]
+    python bench/bench_convert.py [--runs 5] [--cache DIR] [--results bench/RESULTS.md] [--no-moe]
 """
 
 from __future__ import annotations
@@ -28,7 +34,8 @@ import ml_dtypes
 import numpy as np
 
 TARGETS = {"auto": 1.5, "f16": 2.0, "q8_0": 3.0, "q4_0": 4.0}  # seconds at 1×, 2-core machine
-THINCONV = [sys.executable, "-m", "thinconv.cli"]
+# the console script of this interpreter's environment (thinconv.cli is a package: no `-m thinconv.cli`)
+THINCONV = [str(Path(sys.executable).parent / "thinconv")]
 
 
 def make_checkpoint(root: Path, layers: int, hidden: int = 2048, inter: int = 5632, heads: int = 32, kv: int = 8,
@@ -71,6 +78,52 @@ def make_checkpoint(root: Path, layers: int, hidden: int = 2048, inter: int = 56
     index, part, size, k = {}, {}, 0, 0
     for n in names:
         part[n] = w(*shape(n))
+        size += part[n].size
+        if size >= total * (k + 1) / shards or n == names[-1]:
+            fname = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
+            save_file(part, str(root / fname))
+            index.update({t: fname for t in part})
+            part, k = {}, k + 1
+    done.write_text(json.dumps({"metadata": {"total_size": total * 2}, "weight_map": index}, indent=1))
+    return root
+
+
+def make_moe_checkpoint(root: Path, layers: int, hidden: int = 2048, expert_inter: int = 1664, experts: int = 8,
+                        heads: int = 32, kv: int = 8, vocab: int = 32000, shards: int = 3) -> Path:
+    """A random-weight Mixtral checkpoint in the Hub's per-expert layout (skipped if already built)."""
+    from safetensors.numpy import save_file
+
+    done = root / "model.safetensors.index.json"
+    if done.is_file():
+        return root
+    hd = hidden // heads
+    config = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": hidden,
+              "intermediate_size": expert_inter, "num_hidden_layers": layers, "num_attention_heads": heads,
+              "num_key_value_heads": kv, "vocab_size": vocab, "max_position_embeddings": 4096,
+              "rms_norm_eps": 1e-5, "rope_theta": 1000000.0, "hidden_act": "silu", "tie_word_embeddings": False,
+              "sliding_window": None, "num_local_experts": experts, "num_experts_per_tok": 2,
+              "router_aux_loss_coef": 0.02, "output_router_logits": False,
+              "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16"}
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(config, indent=1))
+    rng = np.random.default_rng(0)
+    shapes = {"model.embed_tokens.weight": (vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (hidden,), p + "self_attn.q_proj.weight": (heads * hd, hidden),
+                       p + "self_attn.k_proj.weight": (kv * hd, hidden), p + "self_attn.v_proj.weight": (kv * hd, hidden),
+                       p + "self_attn.o_proj.weight": (hidden, heads * hd), p + "post_attention_layernorm.weight": (hidden,),
+                       p + "block_sparse_moe.gate.weight": (experts, hidden)})
+        for e in range(experts):
+            q = f"{p}block_sparse_moe.experts.{e}."
+            shapes.update({q + "w1.weight": (expert_inter, hidden), q + "w2.weight": (hidden, expert_inter),
+                           q + "w3.weight": (expert_inter, hidden)})
+    shapes.update({"model.norm.weight": (hidden,), "lm_head.weight": (vocab, hidden)})
+    total = sum(int(np.prod(s)) for s in shapes.values())
+    index, part, size, k = {}, {}, 0, 0
+    names = list(shapes)
+    for n in names:
+        part[n] = (rng.standard_normal(shapes[n], dtype=np.float32) * 0.02).astype(ml_dtypes.bfloat16)
         size += part[n].size
         if size >= total * (k + 1) / shards or n == names[-1]:
             fname = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
@@ -174,6 +227,51 @@ def report(results: dict[str, dict], runs: int) -> str:
     return "\n".join(lines)
 
 
+def build_in_child(make, root: Path, layers: int) -> Path:
+    """Build a checkpoint in a spawned process: building holds ~1 GB of arrays, and a child forked
+    later would start with this process's peak RSS (Linux ru_maxrss survives fork and exec), which
+    would then be reported as the conversion's."""
+    import multiprocessing
+
+    proc = multiprocessing.get_context("spawn").Process(target=make, args=(root, layers))
+    proc.start()
+    proc.join()
+    if proc.exitcode != 0:
+        raise SystemExit(f"building {root} failed")
+    return root
+
+
+MOE_TARGET = 1.3  # × the dense model's time for the same bytes (issue 12)
+
+
+def moe_report(results: dict[str, dict], dense: dict[str, dict]) -> str:
+    """The MoE table: each case next to `cp` and to the dense case of the same label and dtype,
+    scaled to the same source bytes."""
+    lines = ["", "Mixture of experts (Mixtral-shaped, per-expert Hub layout, stacked into [E, f, hidden]):", "",
+             "| model | case | time | CPU (user+sys) | source GB/s | `cp` | × cp | dense, same bytes | × dense | "
+             "× dense (CPU) | peak RSS | target |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for label, r in results.items():
+        gb = r["source_bytes"] / 1e9
+        for dtype, c in r["cases"].items():
+            d = dense.get(label, {}).get("cases", {}).get(dtype)
+            if d:
+                scale = r["source_bytes"] / dense[label]["source_bytes"]
+                same = d["seconds"] * scale
+                ratio = c["seconds"] / same
+                dense_text, ratio_text = f"{same:.2f} s", f"{ratio:.2f}"
+                cpu_text = f"{c['cpu'] / (d['cpu'] * scale):.2f}"
+                verdict = "met" if ratio <= MOE_TARGET else f"missed ({ratio:.2f}×)"
+            else:
+                dense_text = ratio_text = cpu_text = "—"
+                verdict = "no dense run"
+            rss_ok = "met" if c["rss_mib"] * 2**20 <= 200e6 else "missed"
+            name = "bf16 → bf16" if dtype == "auto" else dtype
+            lines.append(f"| MoE {label} ({gb:.2f} GB) | convert {name} | {c['seconds']:.2f} s | {c['cpu']:.2f} s | "
+                         f"{gb / c['seconds']:.2f} | {c['cp']:.2f} s | {c['seconds'] / c['cp']:.1f} | {dense_text} | "
+                         f"{ratio_text} | {cpu_text} | {c['rss_mib']:.0f} MiB ({rss_ok}) | ≤ {MOE_TARGET}× dense: {verdict} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=5)
@@ -181,12 +279,14 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=None, help="Where archives go (default: inside --cache).")
     ap.add_argument("--dtypes", default="auto,f16,q8_0,q4_0")
     ap.add_argument("--no-2x", action="store_true", help="Skip the 2× model.")
+    ap.add_argument("--no-moe", action="store_true", help="Skip the mixture-of-experts models.")
+    ap.add_argument("--moe-dtypes", default="auto,q8_0")
     ap.add_argument("--results", type=Path, default=None, help="Also write the table to this markdown file.")
     args = ap.parse_args()
     models = {"1×": 10} if args.no_2x else {"1×": 10, "2×": 24}  # 24 layers: 2.04× the bytes
     results = {}
     for label, layers in models.items():
-        src = make_checkpoint(args.cache / f"llama-h2048-l{layers}", layers)
+        src = build_in_child(make_checkpoint, args.cache / f"llama-h2048-l{layers}", layers)
         work = args.work or args.cache / "work"
         work.mkdir(parents=True, exist_ok=True)
         print(f"{label}: {src} …", file=sys.stderr, flush=True)
@@ -194,6 +294,18 @@ def main() -> None:
         for p in work.glob("*.thin"):
             p.unlink()
     table = report(results, args.runs)
+    if not args.no_moe:
+        moe_models = {"1×": 5} if args.no_2x else {"1×": 5, "2×": 12}  # 12 layers: 2.09× the bytes
+        moe_results = {}
+        for label, layers in moe_models.items():
+            src = build_in_child(make_moe_checkpoint, args.cache / f"mixtral-h2048-e8-l{layers}", layers)
+            work = args.work or args.cache / "work"
+            work.mkdir(parents=True, exist_ok=True)
+            print(f"MoE {label}: {src} …", file=sys.stderr, flush=True)
+            moe_results[label] = bench_model(src, work, args.runs, args.moe_dtypes.split(","))
+            for p in work.glob("*.thin"):
+                p.unlink()
+        table += "\n" + moe_report(moe_results, results)
     print(table)
     if args.results:
         args.results.write_text("# Conversion benchmark results\n\n`python bench/bench_convert.py --results "

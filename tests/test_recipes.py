@@ -323,7 +323,7 @@ def test_recipe_check_wrong_family_and_unknown_recipe(ckpts):
     assert any("q_norm" in u for u in d["unmapped"])
     r = runner.invoke(app, ["recipe", "check", "nosuch", str(ckpts["qwen3"].path)])
     assert r.exit_code == 1
-    assert_one_line_error(r.stderr, "no recipe named 'nosuch'", "llama, mistral", "qwen2, qwen3")
+    assert_one_line_error(r.stderr, "no recipe named 'nosuch'", "llama, mistral", "qwen2, qwen2_moe, qwen3")
 
 
 # ---------------------------------------------------------------- invalid recipe files

@@ -142,7 +142,7 @@ def dtype_class(archive: Archive, source_dtypes: dict[str, str] | None) -> str:
     for t in archive.manifest["tensors"]:
         if dtypes.is_block(t["dtype"]):
             classes.add(dtypes.get(t["dtype"]).check_class)
-        elif len(t["shape"]) >= 2:
+        elif len(t["shape"]) >= 2:  # matrices and [E, rows, cols] expert tensors
             src = (source_dtypes or {}).get(t["name"], probe_src)
             known = src in dtypes.BY_NAME
             classes.add("exact" if not known or dtypes.exact_cast(src, t["dtype"]) else "float")

@@ -72,7 +72,10 @@ class MappingReport:
                        f"{names_text(self.unmapped)}")
         if self.missing:
             out.append(f"{len(self.missing)} required tensor(s) missing from the checkpoint: {names_text(self.missing)}")
-        return out + self.unexpected + self.shape_errors + self.dtype_errors
+        dtype_errors = self.dtype_errors
+        if len(dtype_errors) > 3:  # e.g. every fp8 scale of a big model on the wrong grid: the first few say it
+            dtype_errors = dtype_errors[:3] + [f"… and {len(dtype_errors) - 3} more tensor(s) like these"]
+        return out + self.unexpected + self.shape_errors + dtype_errors
 
 
 def names_text(names: list[str], limit: int = 12) -> str:
@@ -168,6 +171,7 @@ def _claim_wanted(ckpt: Checkpoint, recipe: Recipe, report: MappingReport) -> di
 def _account_sources(ckpt: Checkpoint, recipe: Recipe, report: MappingReport, claims: dict) -> None:
     """Every source tensor not claimed: ignored, an FP8 scale, a tied head, or a problem."""
     model = report.model
+    beyond: list[str] = []
     for source in sorted(ckpt.tensors):
         if source in claims:
             continue
@@ -191,9 +195,20 @@ def _account_sources(ckpt: Checkpoint, recipe: Recipe, report: MappingReport, cl
                                      f"num_hidden_layers = {model['num_layers']}")
         elif canonical not in report.mapped and canonical in spec.tensor_names(model):
             continue  # the tensor is reported missing (some of its other sources are)
+        elif canonical in report.mapped and spec.ROLE[role].experts and recipe.expert_index(source) is not None:
+            beyond.append(source)  # an expert the config does not count
         elif canonical in report.mapped or canonical not in spec.tensor_names(model):
             why = spec.ROLE[role].absent_because if canonical not in report.mapped else "another layout is in use"
             report.unexpected.append(f"source tensor {source} maps to {canonical}, which config.json rules out ({why})")
+    if beyond:
+        n = model["moe"]["num_experts"]
+        report.unexpected.append(f"{len(beyond)} source tensor(s) are experts beyond the {n} that config.json gives "
+                                 f"(moe.num_experts): {names_text(sorted(beyond, key=_natural), 4)}")
+
+
+def _natural(name: str) -> list:
+    """Sort key: numbers in names compare as numbers (experts.10 after experts.9)."""
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
 
 
 def _check_claims(ckpt: Checkpoint, report: MappingReport, claims: dict) -> None:
@@ -219,7 +234,7 @@ def _check_claims(ckpt: Checkpoint, report: MappingReport, claims: dict) -> None
                 break
             cursor = b
         else:
-            if cursor != n:
+            if cursor < n:  # (slices reaching past the end are reported by the shape check)
                 report.unexpected.append(f"source tensor {source}: rows [{cursor}, {n}) are read by no rule "
                                          f"(it has {n})")
 
@@ -227,7 +242,22 @@ def _check_claims(ckpt: Checkpoint, report: MappingReport, claims: dict) -> None
 def _check_shape(ckpt: Checkpoint, model: dict, canonical: str, entries: list[Entry], report: MappingReport) -> None:
     role, _ = spec.split_name(canonical)
     want = spec.expected_shape(model, role)
-    got = stacked_shape([list(ckpt.tensors[e.name].shape) for e in entries], entries, len(want))
+    shapes = [list(ckpt.tensors[e.name].shape) for e in entries]
+    got = stacked_shape(shapes, entries, len(want))
+    if got != want and len(want) == 3 and len(entries) > 1 and len({tuple(s) for s in shapes}) > 1 and \
+            all(len(s) == 2 and e.start is None for s, e in zip(shapes, entries)):
+        # per-expert tensors that do not stack: name the odd ones out, not every expert's shape
+        common = max(shapes, key=shapes.count)
+        odd = [(e.name, s) for e, s in zip(entries, shapes) if s != common]
+        report.shape_errors.append(
+            f"experts of unequal shape in {canonical}: "
+            + ", ".join(f"{n} is {s}" for n, s in odd[:3]) + (f", … ({len(odd)} in all)" if len(odd) > 3 else "")
+            + f", the other {len(shapes) - len(odd)} are {common} (config.json implies {want}: {spec.dims_text(model, role)})")
+        return
+    if got != want and len(got) == 1 and isinstance(got[0], str):  # a slice outside its tensor
+        report.shape_errors.append(f"tensor {canonical}: {got[0]}, but config.json implies {want} "
+                                   f"({spec.dims_text(model, role)})")
+        return
     if got != want:
         names = ", ".join(e.name + (f"[{e.start}:{e.end}]" if e.start is not None else "") for e in entries[:4])
         names += f", … ({len(entries)} entries)" if len(entries) > 4 else ""

@@ -132,6 +132,15 @@ class Recipe:
                         out.append(name)
         return out
 
+    def expert_index(self, source_name: str) -> int | None:
+        """The expert a source tensor is, when a rule's {E} pattern names it (else None)."""
+        for rule in self.tensors:
+            for pattern in rule.sources:
+                m = _compile(pattern).fullmatch(source_name) if EXPERT in pattern else None
+                if m:
+                    return int(m.group("E"))
+        return None
+
     def is_ignored(self, source_name: str) -> bool:
         return any(_compile(p).fullmatch(source_name) for p in self.ignore)
 
@@ -162,7 +171,8 @@ def _compile(pattern: str) -> re.Pattern:
     rx = _COMPILED.get(pattern)
     if rx is None:
         text = re.escape(pattern).replace(re.escape(LAYER), f"(?P<L>{_INDEX_RE})", 1)
-        text = text.replace(re.escape(LAYER), "(?P=L)").replace(re.escape(EXPERT), _INDEX_RE)
+        text = text.replace(re.escape(LAYER), "(?P=L)")
+        text = text.replace(re.escape(EXPERT), f"(?P<E>{_INDEX_RE})", 1).replace(re.escape(EXPERT), "(?P=E)")
         text = text.replace(re.escape(HEAD), _INDEX_RE)
         rx = _COMPILED[pattern] = re.compile(text)
     return rx
