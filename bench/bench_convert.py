@@ -308,8 +308,23 @@ def main() -> None:
         table += "\n" + moe_report(moe_results, results)
     print(table)
     if args.results:
-        args.results.write_text("# Conversion benchmark results\n\n`python bench/bench_convert.py --results "
-                                f"{args.results}`\n\n{table}\n")
+        write_results(args.results, table)
+
+
+BEGIN, END = "<!-- bench_convert: begin -->", "<!-- bench_convert: end -->"
+
+
+def write_results(path: Path, table: str) -> None:
+    """Replace the tables between the markers in `path`, keeping the prose and other sections
+    (the fuzzers' figures live in the same file)."""
+    block = f"{BEGIN}\n`python bench/bench_convert.py --results {path}`\n\n{table}\n{END}"
+    text = path.read_text() if path.exists() else "# Benchmark results\n\n"
+    if BEGIN in text and END in text:
+        head, rest = text.split(BEGIN, 1)
+        text = head + block + rest.split(END, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    path.write_text(text)
 
 
 if __name__ == "__main__":
