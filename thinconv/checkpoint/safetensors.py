@@ -94,7 +94,7 @@ class SafetensorsFile:
         bounded while a converter streams a model much larger than a page through the mmap."""
         entry = self.entries.get(name)
         if entry is not None and self._mmap is not None and end > start:
-            # Widened by the kernel's fault-around (64 KiB): reading a byte maps its cached
+            # Widened by the kernel's fault-around (memory.FAULT_AROUND): reading a byte maps its cached
             # neighbours too, which would otherwise stay resident past a tensor's ends. A
             # neighbour still in use is simply mapped again from the page cache.
             lo = max(0, entry.offset + start - FAULT_AROUND)
