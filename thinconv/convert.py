@@ -62,6 +62,7 @@ class ConvertResult:
     manifest: dict
     warnings: list[str] = field(default_factory=list)
     layout_shift: str = "none"  # how the data region reached its final data_off: none | fallocate | copy
+    removed_temps: list[Path] = field(default_factory=list)  # stale temp files of `path` a killed run left
 
     @property
     def quant_overall(self) -> dict | None:
@@ -252,12 +253,12 @@ def convert(ckpt: Checkpoint, plan: Plan, out: str | os.PathLike, *, force: bool
         open_archive(tmp).close()
 
     try:
-        write_atomically(out, force, write, check)
+        stale = write_atomically(out, force, write, check)
     except ThinFormatError as e:
         raise ConversionError(f"internal error: the written archive does not open: {e}") from None
     layout = state["layout"]
     return ConvertResult(out, layout.file_size, len(jobs), layout.archive_hash.hex(), time.perf_counter() - t0,
-                         state["manifest"], state["warnings"], state["shift"])
+                         state["manifest"], state["warnings"], state["shift"], stale)
 
 
 def _page_jobs(plan: Plan) -> list[_PageJob]:

@@ -59,6 +59,7 @@ class ConvertSummary(TypedDict):
     kept_wider: list[KeptWider]
     quant: Optional[QuantSummary]
     warnings: list[str]
+    removed_temp_files: list[str]  # stale temp files of this output a killed earlier run left, removed
 
 
 def quant_summary(manifest: dict, worst: int = 5) -> Optional[QuantSummary]:
@@ -236,7 +237,8 @@ def conversion_summary(result, plan, seconds: Optional[float] = None) -> Convert
             "recipe": plan.recipe.name,
             "source": {"repo_id": src.get("repo_id"), "revision": src.get("revision"), "commit": src.get("commit")},
             "seconds": round(result.seconds if seconds is None else seconds, 3),
-            "kept_wider": kept_wider(plan), "quant": quant_summary(m), "warnings": list(result.warnings)}
+            "kept_wider": kept_wider(plan), "quant": quant_summary(m), "warnings": list(result.warnings),
+            "removed_temp_files": [str(p) for p in result.removed_temps]}
 
 
 def compact_names(names: list[str]) -> str:
