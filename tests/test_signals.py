@@ -13,39 +13,13 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from conftest import BIN, assert_one_line_error, write_safetensors
+from conftest import BIN, assert_one_line_error, make_llama
 
 pytestmark = pytest.mark.slow  # subprocesses converting a 130 MiB checkpoint
 
 OLD = b"the previous output, which an interrupted run must leave as it was"
-
-
-def make_llama(folder: Path, hidden: int = 512, inter: int = 1536, layers: int = 8, vocab: int = 8192) -> Path:
-    """A Llama checkpoint of ~130 MiB (f32): its q4_0 conversion takes a second or more."""
-    heads, kv = 8, 4
-    hd = hidden // heads
-    folder.mkdir(parents=True)
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
-           "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
-           "num_key_value_heads": kv, "vocab_size": vocab, "max_position_embeddings": 256, "rms_norm_eps": 1e-5,
-           "rope_theta": 10000.0, "tie_word_embeddings": False, "torch_dtype": "float32", "hidden_act": "silu"}
-    (folder / "config.json").write_text(json.dumps(cfg))
-    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,),
-              "lm_head.weight": (vocab, hidden)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        shapes.update({p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,),
-                       p + "self_attn.q_proj.weight": (hidden, hidden), p + "self_attn.k_proj.weight": (kv * hd, hidden),
-                       p + "self_attn.v_proj.weight": (kv * hd, hidden), p + "self_attn.o_proj.weight": (hidden, hidden),
-                       p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
-                       p + "mlp.down_proj.weight": (hidden, inter)})
-    rng = np.random.default_rng(0)
-    write_safetensors(folder / "model.safetensors",
-                      {k: rng.standard_normal(s, dtype=np.float32) * 0.05 for k, s in shapes.items()})
-    return folder
 
 
 @pytest.fixture(scope="module")
@@ -219,3 +193,16 @@ def test_launch_is_the_console_script_and_imports_nothing_heavy():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.strip() == "[]", (r.stdout, r.stderr)
     assert "thinconv.launch" in BIN.read_text()
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.3, 1.5])
+def test_sigterm_to_a_batch_at_any_moment_is_one_line(big, tmp_path, delay):
+    """Before the jobs file is read, while it is, or mid-run: exit 143 and one stderr line."""
+    jobs = tmp_path / "jobs.toml"
+    jobs.write_text(f'[[job]]\nsource = "{big["src"]}"\nout = "out.thin"\ndtype = "q4_0"\nprobe = false\n')
+    r, _ = run_and_signal(["batch", jobs, "--workers", "1"], signal.SIGTERM, after_handler(delay))
+    assert r.returncode == 143, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "interrupted by SIGTERM" in lines[0] or "stopped by a signal" in lines[0], lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["jobs.toml"]

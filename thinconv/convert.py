@@ -385,7 +385,7 @@ def _manifest(ckpt: Checkpoint, plan: Plan, jobs: list[_PageJob], checksums: lis
                "pages": [spec.page_id(ap.file.name, k) for k in range(len(ap.pages))]} for ap in plan.assets]
     validation: dict[str, Any] = {
         "converter": {"name": "thinconv", "version": thinconv.__version__, "recipe": plan.recipe.name,
-                      "options": plan.options.record()},
+                      "options": _options_record(plan)},
         "source": _provenance(ckpt, plan),
         "stats": stats,
     }
@@ -399,6 +399,17 @@ def _manifest(ckpt: Checkpoint, plan: Plan, jobs: list[_PageJob], checksums: lis
     return {"format": "thin", "format_version": spec.VERSION, "alignment": spec.ALIGNMENT, "model": plan.model,
             "tensors": [_tensor_entry(tp) for tp in plan.tensors], "pages": pages, "assets": assets,
             "runtime": {"page_size": plan.options.page_size}, "validation": validation}
+
+
+def _options_record(plan: Plan) -> dict:
+    """validation.converter.options; with a user recipe, its files (recipe, file name and sha256;
+    the recipe's own first, then those it extends): they shape the bytes as much as --dtype does. Absent for a
+    built-in recipe, whose archives keep their bytes."""
+    options = plan.options.record()
+    if plan.recipe.files:
+        options["recipe_files"] = [{"recipe": recipe, "file": name, "sha256": digest}
+                                   for recipe, name, digest in plan.recipe.files]
+    return options
 
 
 def _provenance(ckpt: Checkpoint, plan: Plan) -> dict:

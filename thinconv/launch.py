@@ -23,7 +23,7 @@ import threading
 from types import FrameType
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-REDELIVER_AFTER = 0.005  # seconds: how soon a signal deferred out of an import comes back
+REDELIVER_AFTER = 0.02  # seconds: how soon a signal deferred out of an import comes back
 
 
 class Interrupted(BaseException):

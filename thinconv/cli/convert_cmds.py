@@ -66,6 +66,10 @@ def render_conversion(s: dict) -> None:
     for w in s["warnings"]:
         err.print(f"[yellow]warning:[/] {escape(w)}", markup=True)
     render_removed_temps(s["removed_temp_files"])
+    u = s["user_recipe"]
+    if u:
+        shadows = f"; it shadows {' and '.join(u['shadows'])}" if u["shadows"] else ""
+        out.print(f"note: user recipe {u['name']} from {u['path']} (sha256 {u['sha256']}){shadows}")
 
 
 def render_removed_temps(paths: list[str]) -> None:

@@ -14,7 +14,7 @@ from thinconv.errors import PackError, ThinFormatError
 from thinconv.format.manifest import parse_manifest
 from thinconv.format.reader import Archive
 from thinconv.format.temps import TempOutput
-from thinconv.format.writer import FilePage, PackResult, pack
+from thinconv.format.writer import FilePage, PackResult, check_output, pack
 
 
 def page_path(pages_dir: Path, page_id: str) -> Path:
@@ -31,6 +31,7 @@ def pack_staging(staging: str | os.PathLike, out: str | os.PathLike, *, force: b
     mpath = root / "manifest.json"
     if not root.is_dir():
         raise PackError(f"{root}: not a directory")
+    check_output(Path(out), force, [mpath])  # the page files are checked by pack itself
     try:
         data = mpath.read_bytes()
     except OSError as e:
