@@ -346,3 +346,28 @@ class Thin:
     def asset(self, name: str) -> bytes:
         a = next(a for a in self.manifest["assets"] if a["name"] == name)
         return b"".join(self.pages[p] for p in a["pages"])
+
+
+def make_llama(folder: Path, hidden: int = 512, inter: int = 1536, layers: int = 8, vocab: int = 8192) -> Path:
+    """A Llama checkpoint of ~130 MiB (f32): its q4_0 conversion takes a second or more."""
+    heads, kv = 8, 4
+    hd = hidden // heads
+    folder.mkdir(parents=True)
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+           "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
+           "num_key_value_heads": kv, "vocab_size": vocab, "max_position_embeddings": 256, "rms_norm_eps": 1e-5,
+           "rope_theta": 10000.0, "tie_word_embeddings": False, "torch_dtype": "float32", "hidden_act": "silu"}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,),
+              "lm_head.weight": (vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,),
+                       p + "self_attn.q_proj.weight": (hidden, hidden), p + "self_attn.k_proj.weight": (kv * hd, hidden),
+                       p + "self_attn.v_proj.weight": (kv * hd, hidden), p + "self_attn.o_proj.weight": (hidden, hidden),
+                       p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
+                       p + "mlp.down_proj.weight": (hidden, inter)})
+    rng = np.random.default_rng(0)
+    write_safetensors(folder / "model.safetensors",
+                      {k: rng.standard_normal(s, dtype=np.float32) * 0.05 for k, s in shapes.items()})
+    return folder

@@ -15,21 +15,30 @@ object is callable, and calling it runs :func:`thinconv.api.convert`.
 
 from __future__ import annotations
 
+import importlib
 import sys
 import types
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from thinconv.api import convert as _convert, to_torch
 from thinconv.errors import (
     CheckpointError, ConversionError, PackError, RecipeError, ThinError, ThinFormatError, UsageError,
 )
-from thinconv.format import Archive, VerifyReport, open_archive, pack, validate_manifest
-from thinconv.format.reader import TensorPage
-from thinconv.summary import ConvertSummary, KeptWider, QuantSummary
+
+if TYPE_CHECKING:
+    from thinconv.format import Archive, VerifyReport, open_archive, pack, validate_manifest
+    from thinconv.format.reader import TensorPage
+    from thinconv.summary import ConvertSummary, KeptWider, QuantSummary
+
+    open = open_archive  # noqa: A001
 
 __version__ = "0.1.0"
 
-open = open_archive  # noqa: A001 - `thinconv.open(path)` mirrors the built-in on purpose
+# Imported on first use, so that `import thinconv` (the console script's first step, before its
+# signal handlers are in place) costs a millisecond, not the format core's ~150 ms.
+_LAZY = {"Archive": "thinconv.format", "VerifyReport": "thinconv.format", "open_archive": "thinconv.format",
+         "pack": "thinconv.format", "validate_manifest": "thinconv.format", "TensorPage": "thinconv.format.reader",
+         "ConvertSummary": "thinconv.summary", "KeptWider": "thinconv.summary", "QuantSummary": "thinconv.summary"}
 
 __all__ = [
     "Archive", "CheckpointError", "ConversionError", "ConvertSummary", "KeptWider", "PackError", "QuantSummary",
@@ -62,9 +71,12 @@ class _Package(types.ModuleType):
 
 def __getattr__(name: str) -> Any:
     if name == "convert":  # imported on first use: `import thinconv` stays light (CLI start-up)
-        import importlib
-
         return importlib.import_module("thinconv.convert")
+    if name in _LAZY or name == "open":  # `thinconv.open(path)` mirrors the built-in on purpose
+        value = getattr(importlib.import_module(_LAZY.get(name, "thinconv.format")),
+                        "open_archive" if name == "open" else name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'thinconv' has no attribute {name!r}")
 
 

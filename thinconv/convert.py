@@ -62,6 +62,7 @@ class ConvertResult:
     manifest: dict
     warnings: list[str] = field(default_factory=list)
     layout_shift: str = "none"  # how the data region reached its final data_off: none | fallocate | copy
+    removed_temps: list[Path] = field(default_factory=list)  # stale temp files of `path` a killed run left
 
     @property
     def quant_overall(self) -> dict | None:
@@ -252,12 +253,12 @@ def convert(ckpt: Checkpoint, plan: Plan, out: str | os.PathLike, *, force: bool
         open_archive(tmp).close()
 
     try:
-        write_atomically(out, force, write, check)
+        stale = write_atomically(out, force, write, check)
     except ThinFormatError as e:
         raise ConversionError(f"internal error: the written archive does not open: {e}") from None
     layout = state["layout"]
     return ConvertResult(out, layout.file_size, len(jobs), layout.archive_hash.hex(), time.perf_counter() - t0,
-                         state["manifest"], state["warnings"], state["shift"])
+                         state["manifest"], state["warnings"], state["shift"], stale)
 
 
 def _page_jobs(plan: Plan) -> list[_PageJob]:
@@ -384,7 +385,7 @@ def _manifest(ckpt: Checkpoint, plan: Plan, jobs: list[_PageJob], checksums: lis
                "pages": [spec.page_id(ap.file.name, k) for k in range(len(ap.pages))]} for ap in plan.assets]
     validation: dict[str, Any] = {
         "converter": {"name": "thinconv", "version": thinconv.__version__, "recipe": plan.recipe.name,
-                      "options": plan.options.record()},
+                      "options": _options_record(plan)},
         "source": _provenance(ckpt, plan),
         "stats": stats,
     }
@@ -398,6 +399,17 @@ def _manifest(ckpt: Checkpoint, plan: Plan, jobs: list[_PageJob], checksums: lis
     return {"format": "thin", "format_version": spec.VERSION, "alignment": spec.ALIGNMENT, "model": plan.model,
             "tensors": [_tensor_entry(tp) for tp in plan.tensors], "pages": pages, "assets": assets,
             "runtime": {"page_size": plan.options.page_size}, "validation": validation}
+
+
+def _options_record(plan: Plan) -> dict:
+    """validation.converter.options; with a user recipe, its files (recipe, file name and sha256;
+    the recipe's own first, then those it extends): they shape the bytes as much as --dtype does. Absent for a
+    built-in recipe, whose archives keep their bytes."""
+    options = plan.options.record()
+    if plan.recipe.files:
+        options["recipe_files"] = [{"recipe": recipe, "file": name, "sha256": digest}
+                                   for recipe, name, digest in plan.recipe.files]
+    return options
 
 
 def _provenance(ckpt: Checkpoint, plan: Plan) -> dict:

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import ast
 import fnmatch
+import hashlib
 import importlib.resources
 import os
 import re
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -116,6 +117,14 @@ class Recipe:
     path: str  # where it was loaded from, for messages
     chain: tuple[str, ...] = field(default=())  # the extends chain, most derived first
     family: FamilyRules = field(default=FamilyRules())  # [model] expressions, [config] accounting
+    # User recipe files of the chain (most derived first): (recipe name, file name, sha256); () for a built-in.
+    files: tuple[tuple[str, str, str], ...] = field(default=())
+    shadows: tuple[str, ...] = field(default=())  # the built-in recipes a user recipe stands in for
+
+    @property
+    def user(self) -> bool:
+        """Whether the recipe itself comes from a user file (--recipes DIR, $THINCONV_RECIPES)."""
+        return bool(self.files) and self.files[0][0] == self.name
 
     def is_quantizable(self, role: str) -> bool:
         return any(fnmatch.fnmatchcase(role, g) for g in self.quantizable)
@@ -357,11 +366,10 @@ def recipe_dirs(extra: Iterable[str | os.PathLike] = ()) -> list[Path]:
 def load_registry(extra_dirs: Iterable[str | os.PathLike] = (), extra_files: Iterable[str | os.PathLike] = ()) -> Registry:
     """Load built-in recipes, then user folders, then single recipe files (highest priority);
     resolve `extends`; validate each recipe."""
-    raw: dict[str, tuple[dict, str]] = {}
-    shadowed: list[str] = []
     builtin = importlib.resources.files("thinconv.builtin_recipes")
     sources: list[tuple[Any, str]] = [(f, f"recipes/{f.name}") for f in sorted(builtin.iterdir(), key=lambda f: f.name)
                                       if f.name.endswith(".toml")]
+    builtin_count = len(sources)
     for d in recipe_dirs(extra_dirs):
         sources += [(f, str(f)) for f in sorted(d.glob("*.toml"))]
         load_user_transforms(d)
@@ -369,18 +377,8 @@ def load_registry(extra_dirs: Iterable[str | os.PathLike] = (), extra_files: Ite
         if not Path(f).is_file():
             raise RecipeError(f"{f}: recipe file not found")
         sources.append((Path(f), str(f)))
-    for f, label in sources:
-        data = _read_toml(f, label)
-        name = data.get("name")
-        if not isinstance(name, str):
-            raise RecipeError(f"{label}: name: missing (every recipe has a lowercase name)")
-        if name in RESERVED_NAMES:
-            raise RecipeError(f"{label}: name: {name!r} is a thinconv command; choose another name")
-        if name in raw:
-            shadowed.append(f"{name}: {label} overrides {raw[name][1]}")
-            del raw[name]  # re-inserted last: a later source also wins on the architectures it claims
-        raw[name] = (data, label)
-
+    raw, shadowed, user_files, builtin_raw = _read_sources(sources, builtin_count)
+    builtin_archs = _builtin_architectures(builtin_raw)
     resolved: dict[str, Recipe] = {}
 
     def resolve(name: str, stack: tuple[str, ...]) -> tuple[dict, tuple[str, ...]]:
@@ -397,7 +395,12 @@ def load_registry(extra_dirs: Iterable[str | os.PathLike] = (), extra_files: Ite
 
     for name, (_, label) in raw.items():
         merged, chain = resolve(name, (name,))
-        resolved[name] = _build(merged, label, chain)
+        recipe = _build(merged, label, chain)
+        files = tuple(user_files[n] for n in chain if n in user_files)
+        if files:  # a built-in recipe no user file touches keeps files=(): its archives keep their bytes
+            recipe = replace(recipe, files=files,
+                             shadows=_shadowed_builtins(recipe, builtin_archs) if name in user_files else ())
+        resolved[name] = recipe
     claimed: dict[str, str] = {}
     for r in resolved.values():
         for a in r.architectures:
@@ -405,6 +408,60 @@ def load_registry(extra_dirs: Iterable[str | os.PathLike] = (), extra_files: Ite
                 shadowed.append(f"{a}: recipe {r.name} ({r.path}) takes it over from {claimed[a]}")
             claimed[a] = r.name
     return Registry(resolved, shadowed)
+
+
+def _read_sources(sources: list[tuple[Any, str]], builtin_count: int) -> tuple[dict, list[str], dict, dict]:
+    """Each source's TOML by recipe name (a later source replaces an earlier one of that name),
+    the override notes, (file name, sha256) of every user recipe file by recipe name, and the
+    built-in recipes' TOML by name (the first `builtin_count` sources)."""
+    raw: dict[str, tuple[dict, str]] = {}
+    shadowed: list[str] = []
+    user_files: dict[str, tuple[str, str, str]] = {}
+    builtin_raw: dict[str, dict] = {}
+    for k, (f, label) in enumerate(sources):
+        data = _read_toml(f, label)
+        name = data.get("name")
+        if not isinstance(name, str):
+            raise RecipeError(f"{label}: name: missing (every recipe has a lowercase name)")
+        if name in RESERVED_NAMES:
+            raise RecipeError(f"{label}: name: {name!r} is a thinconv command; choose another name")
+        if name in raw:
+            shadowed.append(f"{name}: {label} overrides {raw[name][1]}")
+            del raw[name]  # re-inserted last: a later source also wins on the architectures it claims
+        raw[name] = (data, label)
+        if k < builtin_count:
+            builtin_raw[name] = data
+        else:
+            try:
+                digest = hashlib.sha256(Path(f).read_bytes()).hexdigest()
+            except OSError as e:
+                raise RecipeError(f"{label}: cannot read ({e.strerror or e})") from None
+            user_files[name] = (name, Path(f).name, digest)
+    return raw, shadowed, user_files, builtin_raw
+
+
+def _builtin_architectures(builtin_raw: dict[str, dict]) -> dict[str, tuple[str, ...]]:
+    """Each built-in recipe's architectures (its own list, or the one it extends)."""
+    out: dict[str, tuple[str, ...]] = {}
+    for name in builtin_raw:
+        seen, data = {name}, builtin_raw[name]
+        while "architectures" not in data and data.get("extends") in builtin_raw and data["extends"] not in seen:
+            seen.add(data["extends"])
+            data = builtin_raw[data["extends"]]
+        archs = data.get("architectures", [])
+        out[name] = tuple(a for a in archs if isinstance(a, str)) if isinstance(archs, list) else ()
+    return out
+
+
+def _shadowed_builtins(recipe: Recipe, builtin_archs: dict[str, tuple[str, ...]]) -> tuple[str, ...]:
+    """What a user recipe stands in for: the built-in recipe of its name, and the built-ins that
+    claim one of its architectures (a conversion picks the user recipe for those)."""
+    out = [f"the built-in recipe {recipe.name}"] if recipe.name in builtin_archs else []
+    for name, archs in builtin_archs.items():
+        common = [a for a in recipe.architectures if a in archs]
+        if common and name != recipe.name:
+            out.append(f"the built-in recipe {name} for {', '.join(common)}")
+    return tuple(out)
 
 
 def _extends(resolved: dict[str, Recipe], child: str, parent: str) -> bool:

@@ -44,6 +44,15 @@ class SourceSummary(TypedDict):
     commit: Optional[str]
 
 
+class UserRecipe(TypedDict):
+    """The user recipe (--recipes DIR, $THINCONV_RECIPES) a conversion ran, and what it shadows."""
+
+    name: str
+    path: str  # the recipe file
+    sha256: str  # of that file (recorded in validation.converter.options.recipe_files)
+    shadows: list[str]  # e.g. "the built-in recipe llama"; [] when it stands in for none
+
+
 class ConvertSummary(TypedDict):
     """What `thinconv convert --json` prints and `thinconv.convert()` returns."""
 
@@ -59,6 +68,8 @@ class ConvertSummary(TypedDict):
     kept_wider: list[KeptWider]
     quant: Optional[QuantSummary]
     warnings: list[str]
+    removed_temp_files: list[str]  # stale temp files of this output a killed earlier run left, removed
+    user_recipe: Optional[UserRecipe]  # null for a built-in recipe
 
 
 def quant_summary(manifest: dict, worst: int = 5) -> Optional[QuantSummary]:
@@ -236,7 +247,16 @@ def conversion_summary(result, plan, seconds: Optional[float] = None) -> Convert
             "recipe": plan.recipe.name,
             "source": {"repo_id": src.get("repo_id"), "revision": src.get("revision"), "commit": src.get("commit")},
             "seconds": round(result.seconds if seconds is None else seconds, 3),
-            "kept_wider": kept_wider(plan), "quant": quant_summary(m), "warnings": list(result.warnings)}
+            "kept_wider": kept_wider(plan), "quant": quant_summary(m), "warnings": list(result.warnings),
+            "removed_temp_files": [str(p) for p in result.removed_temps], "user_recipe": user_recipe(plan.recipe)}
+
+
+def user_recipe(recipe) -> Optional[UserRecipe]:
+    """What `convert` says about a user recipe (None for a built-in one, even when a user file
+    overrides a recipe it extends: that is stated for the file's own recipe, and recorded)."""
+    if not recipe.user:
+        return None
+    return {"name": recipe.name, "path": recipe.path, "sha256": recipe.files[0][2], "shadows": list(recipe.shadows)}
 
 
 def compact_names(names: list[str]) -> str:

@@ -48,6 +48,8 @@ def archive_mismatch(job: Job, commit: str | None = None) -> str | None:
     if job.recipe is not None and conv.get("recipe") != job.recipe:
         return f"recipe {conv.get('recipe')!r} ≠ {job.recipe!r}"
     have_opts = conv.get("options")
+    if isinstance(have_opts, dict) and "recipe_files" in have_opts:  # a user recipe's files: not a job option
+        have_opts = {k: v for k, v in have_opts.items() if k != "recipe_files"}
     if have_opts != want["options"]:
         if not isinstance(have_opts, dict):
             return "the archive records no conversion options"

@@ -3,7 +3,6 @@ and the observer interface a front end renders; plus the stale temp files a hard
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 from dataclasses import dataclass, field
@@ -11,6 +10,7 @@ from pathlib import Path
 
 from thinconv.batch.jobs import Job
 from thinconv.errors import UsageError
+from thinconv.format.temps import remove_stale_temps
 
 STATUSES = ("done", "skipped", "failed")
 INTERRUPTED = "interrupted"
@@ -74,17 +74,11 @@ def failed_outs(report: list[dict]) -> set[str]:
 
 def remove_stale_temp_files(jobs: list[Job]) -> list[Path]:
     """Delete the converter's temp files (``.<out name>.*.tmp``) a hard-killed run left next to
-    each job's output; returns what was removed."""
+    each job's output — not those a running conversion still holds (see remove_stale_temps);
+    returns what was removed."""
     removed = []
     for job in jobs:
-        for name in glob.glob(os.path.join(glob.escape(str(job.out.parent)), f".{glob.escape(job.out.name)}.*.tmp")):
-            p = Path(name)
-            try:
-                if p.is_file() and not p.is_symlink():
-                    p.unlink()
-                    removed.append(p)
-            except OSError:
-                pass
+        removed += remove_stale_temps(job.out)
     return removed
 
 

@@ -205,8 +205,8 @@ def reported() -> Iterator[None]:
         fail(str(e), 2, "usage")
     except ThinError as e:
         fail(str(e), 1, _error_kind(e))
-    except KeyboardInterrupt:
-        fail("interrupted (no partial output is left behind)", 1, "interrupted")
+    except KeyboardInterrupt:  # Ctrl-C without the console script's handlers (thinconv.launch)
+        fail("interrupted by SIGINT (no partial output is left behind)", 130, "interrupted")
 
 
 # ---------------------------------------------------------------- units, progress, tables

@@ -244,10 +244,12 @@ def pack_cmd(staging: Path = typer.Argument(..., metavar="STAGING", help="A fold
         result = pack_staging(staging, output, force=force, progress=lambda n: bar.advance(task, n))
     if as_json:
         print_json({"path": str(result.path), "size": result.size, "page_count": result.page_count,
-                    "archive_hash": result.archive_hash})
+                    "archive_hash": result.archive_hash, "removed_temp_files": [str(p) for p in result.removed_temps]})
         return
     out.print(f"wrote {result.path} ({human(result.size)}, {result.page_count} pages)")
     out.print(f"archive hash {result.archive_hash}")
+    for p in result.removed_temps:
+        out.print(f"removed a stale temp file left by an interrupted run: {p}")
 
 
 @app.command(epilog=examples("thinconv unpack tiny.thin staging/", "thinconv unpack tiny.thin staging/ --force --json"))

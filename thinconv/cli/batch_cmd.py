@@ -170,14 +170,17 @@ def batch_cmd(jobs_file: Path = typer.Argument(..., metavar="JOBS_FILE", help="J
 def _exit_on_signals():
     """SIGINT / SIGTERM exit at once with 128 + the signal (nothing has been written yet). Installed
     first thing, so that thinconv as PID 1 of a container (which the kernel shields from signals it
-    has no handler for) still stops; the run itself swaps in handlers that stop it cleanly."""
+    has no handler for) still stops; the run itself swaps in handlers that stop it cleanly. Under the
+    console script (thinconv.launch), whose handlers already do this with one line, those stay."""
     previous = {}
 
     def on_signal(signum, frame):
         raise SystemExit(128 + signum)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
-        previous[sig] = signal.signal(sig, on_signal)
+        current = signal.getsignal(sig)
+        if not callable(current) or current is signal.default_int_handler:
+            previous[sig] = signal.signal(sig, on_signal)
     try:
         yield
     finally:

@@ -65,6 +65,17 @@ def render_conversion(s: dict) -> None:
                   f"(worst: {q['worst']})")
     for w in s["warnings"]:
         err.print(f"[yellow]warning:[/] {escape(w)}", markup=True)
+    render_removed_temps(s["removed_temp_files"])
+    u = s["user_recipe"]
+    if u:
+        shadows = f"; it shadows {' and '.join(u['shadows'])}" if u["shadows"] else ""
+        out.print(f"note: user recipe {u['name']} from {u['path']} (sha256 {u['sha256']}){shadows}")
+
+
+def render_removed_temps(paths: list[str]) -> None:
+    """The stale temp files of this output that a killed earlier run left, and this run removed."""
+    for p in paths:
+        out.print(f"removed a stale temp file left by an interrupted run: {p}")
 
 
 def render_kept_wider(kept: list[dict], compact_names) -> None:

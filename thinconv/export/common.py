@@ -7,8 +7,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Protocol
@@ -18,6 +16,7 @@ import numpy as np
 from thinconv.errors import ExportError, RecipeError
 from thinconv.format import dtypes, spec
 from thinconv.format.reader import Archive
+from thinconv.format.temps import TempOutput
 from thinconv.recipe import Recipe, load_registry
 
 CHUNK_VALUES = 1 << 20  # values decoded at a time: memory stays flat whatever the tensor size
@@ -197,12 +196,13 @@ def atomic_folder(dest: Path, force: bool) -> Iterator[Path]:
     `dest` is untouched."""
     check_free(dest, force, folder=True)
     parent = dest.parent if str(dest.parent) else Path(".")
-    try:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".tmp", dir=parent))
-    except OSError as e:
-        raise ExportError(f"cannot write in {parent}: {e.strerror or e}") from None
+    temp, aside = TempOutput(dest), TempOutput(dest, ".old")  # named before they exist: see TempOutput
     old = None
     try:
+        try:
+            tmp = temp.create_folder()
+        except OSError as e:
+            raise ExportError(f"cannot write in {parent}: {e.strerror or e}") from None
         yield tmp
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
@@ -211,21 +211,19 @@ def atomic_folder(dest: Path, force: bool) -> Iterator[Path]:
         os.chmod(tmp, 0o755)
         if dest.exists():
             # Move the old folder aside first: until the new one is in place, nothing is lost.
-            old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".old", dir=parent))
+            old = aside.create_folder()
             os.replace(dest, old / "d")
         os.replace(tmp, dest)
         fsync_dir(parent)
     except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
+        temp.remove()
         if old is not None and (old / "d").exists() and not dest.exists():
             os.replace(old / "d", dest)  # put the previous folder back
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        aside.remove()
         if isinstance(e, OSError):
             raise _fail_write(dest, e) from None
         raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    aside.remove()
 
 
 @contextlib.contextmanager
@@ -234,13 +232,13 @@ def atomic_file(out: Path, force: bool) -> Iterator[Path]:
     (which must not exist unless `force`). On failure nothing is left behind."""
     check_free(out, force, folder=False)
     parent = out.parent if str(out.parent) else Path(".")
+    temp, lock = TempOutput(out), None
     try:
-        fd, name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=parent)
-    except OSError as e:
-        raise ExportError(f"cannot write in {parent}: {e.strerror or e}") from None
-    os.close(fd)
-    tmp = Path(name)
-    try:
+        try:
+            lock = temp.create()  # held (flock) until the end: not a stale temp to any cleaner
+        except OSError as e:
+            raise ExportError(f"cannot write in {parent}: {e.strerror or e}") from None
+        tmp = temp.path
         yield tmp
         os.chmod(tmp, 0o644)
         if force:
@@ -257,7 +255,10 @@ def atomic_file(out: Path, force: bool) -> Iterator[Path]:
             tmp.unlink(missing_ok=True)
         fsync_dir(parent)
     except BaseException as e:
-        tmp.unlink(missing_ok=True)
+        temp.remove()
         if isinstance(e, OSError):
             raise _fail_write(out, e) from None
         raise
+    finally:
+        if lock is not None:
+            os.close(lock)

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from thinconv.errors import PackError, ThinFormatError
 from thinconv.format.manifest import parse_manifest
 from thinconv.format.reader import Archive
-from thinconv.format.writer import FilePage, PackResult, pack
+from thinconv.format.temps import TempOutput
+from thinconv.format.writer import FilePage, PackResult, check_output, pack
 
 
 def page_path(pages_dir: Path, page_id: str) -> Path:
@@ -32,6 +31,7 @@ def pack_staging(staging: str | os.PathLike, out: str | os.PathLike, *, force: b
     mpath = root / "manifest.json"
     if not root.is_dir():
         raise PackError(f"{root}: not a directory")
+    check_output(Path(out), force, [mpath])  # the page files are checked by pack itself
     try:
         data = mpath.read_bytes()
     except OSError as e:
@@ -71,12 +71,13 @@ def unpack(archive: Archive, dest: str | os.PathLike, *, force: bool = False) ->
         if any(dest.iterdir()) and not force:
             raise PackError(f"{dest} is not empty (use --force to replace it)")
     parent = dest.parent if str(dest.parent) else Path(".")
-    try:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".tmp", dir=parent))
-    except OSError as e:
-        raise PackError(f"cannot write in {parent}: {e.strerror or e}") from None
+    temp, aside = TempOutput(dest), TempOutput(dest, ".old")  # named before they exist: see TempOutput
     old = None
     try:
+        try:
+            tmp = temp.create_folder()
+        except OSError as e:
+            raise PackError(f"cannot write in {parent}: {e.strerror or e}") from None
         (tmp / "manifest.json").write_text(json.dumps(archive.manifest, indent=1, sort_keys=True, ensure_ascii=False) + "\n",
                                            encoding="utf-8")
         pages_dir = tmp / "pages"
@@ -87,17 +88,15 @@ def unpack(archive: Archive, dest: str | os.PathLike, *, force: bool = False) ->
                 f.write(archive.page_bytes(rec.id))
         if dest.exists():
             # Move the old folder aside first: until the new one is in place, nothing is lost.
-            old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".old", dir=parent))
+            old = aside.create_folder()
             os.replace(dest, old / "d")
         os.replace(tmp, dest)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        aside.remove()
     except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
+        temp.remove()
         if old is not None and (old / "d").exists() and not dest.exists():
             os.replace(old / "d", dest)  # put the previous folder back
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        aside.remove()
         if isinstance(e, OSError):
             raise PackError(f"unpacking into {dest} failed ({e.strerror or e}); nothing was left behind") from None
         raise

@@ -14,7 +14,6 @@ import os
 import stat
 import sys
 import threading
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol, Union
@@ -24,6 +23,8 @@ import blake3
 from thinconv.errors import PackError
 from thinconv.format import spec
 from thinconv.format.manifest import validate_manifest
+from thinconv.format.temps import TempOutput, remove_stale_temps
+
 
 CHUNK = 8 * 1024 * 1024
 _ZEROS = bytes(spec.ALIGNMENT)
@@ -115,6 +116,7 @@ class PackResult:
     size: int
     page_count: int
     archive_hash: str
+    removed_temps: tuple[Path, ...] = ()  # stale temp files of `path` a killed earlier run left
 
 
 @dataclass(frozen=True)
@@ -221,8 +223,8 @@ def pack(manifest: dict, page_sources: Mapping[str, SourceLike], out_path: str |
         if size != p["size"]:
             raise PackError(f"page {pid!r}: source holds {size} bytes, manifest declares {p['size']}")
     layout = plan_layout(manifest)
-    _write_atomically(out, force, lambda f: _write_archive(f, manifest, layout, sources, progress))
-    return PackResult(out, layout.file_size, len(declared), layout.archive_hash.hex())
+    stale = _write_atomically(out, force, lambda f: _write_archive(f, manifest, layout, sources, progress))
+    return PackResult(out, layout.file_size, len(declared), layout.archive_hash.hex(), tuple(stale))
 
 
 def _write_archive(f, manifest: dict, layout: Layout, sources: dict[str, PageSource],
@@ -263,16 +265,20 @@ def _write_zeros(f, n: int) -> None:
 
 
 def _write_atomically(out: Path, force: bool, write: Callable[[Any], None],
-                      check: Callable[[Path], None] | None = None) -> None:
+                      check: Callable[[Path], None] | None = None) -> list[Path]:
     """Write through a temp file in out's folder; fsync; `check(temp path)`; rename. Nothing is left
-    behind on failure."""
+    behind on failure. The temp stays flock()ed until it is renamed or removed. Temp files of `out`
+    that a killed earlier run left are removed first; returns them."""
     folder = out.parent if str(out.parent) else Path(".")
+    stale = remove_stale_temps(out)
+    temp, lock = TempOutput(out), None
     try:
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=folder)
-    except OSError as e:
-        raise PackError(f"cannot write in {folder}: {e.strerror or e}") from None
-    tmp = Path(tmp_name)
-    try:
+        try:
+            fd = temp.create()
+        except OSError as e:
+            raise PackError(f"cannot write in {folder}: {e.strerror or e}") from None
+        tmp = temp.path
+        lock = os.dup(fd)  # the flock lives as long as this descriptor: until the end
         with os.fdopen(fd, "wb", buffering=1024 * 1024) as f:
             write(f)
             f.flush()
@@ -286,13 +292,17 @@ def _write_atomically(out: Path, force: bool, write: Callable[[Any], None],
             _link_no_clobber(tmp, out)
         _fsync_dir(folder)
     except BaseException as e:
-        tmp.unlink(missing_ok=True)
+        temp.remove()
         if isinstance(e, FileExistsError):
             raise PackError(f"{out} already exists (use --force to overwrite)") from None
         if isinstance(e, OSError):
             what = "disk full" if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT) else (e.strerror or str(e))
             raise PackError(f"writing {out} failed ({what}); no partial file was left") from None
         raise
+    finally:
+        if lock is not None:
+            os.close(lock)
+    return stale
 
 
 def _link_no_clobber(tmp: Path, out: Path) -> None:
