@@ -44,6 +44,7 @@ class Tally:
     long_messages: list[str] = field(default_factory=list)
     multi_line: list[str] = field(default_factory=list)
     longest: int = 0  # characters of the longest message
+    longest_case: str = ""
     max_seconds: float = 0.0
     max_rss_growth: int = 0
     elapsed: float = 0.0
@@ -64,7 +65,8 @@ class Tally:
                f"  messages > {MAX_MESSAGE} chars {len(self.long_messages)} (longest {self.longest}; the CLI cuts "
                f"lines beyond {MAX_LINE}); with a newline {len(self.multi_line)}"]
         for title, items in (("crash", self.crashes), ("slow", self.slow), ("heavy", self.heavy),
-                             ("long message", self.long_messages[:3]), ("newline", self.multi_line[:3])):
+                             ("long message", self.long_messages[:2] + [f"longest: {self.longest_case}"]),
+                             ("newline", self.multi_line[:3])):
             out += [f"  {title}: {x}" for x in items[:10]]
         return out
 
@@ -116,7 +118,8 @@ def run_case(tally: Tally, label: str, case: Callable[[], bool]) -> None:
     except ThinError as e:
         tally.counts["rejected"] += 1
         text = str(e)
-        tally.longest = max(tally.longest, len(text))
+        if len(text) > tally.longest:
+            tally.longest, tally.longest_case = len(text), f"{label}: {text[:150]!r}"
         if "\n" in text:
             tally.multi_line.append(f"{label}: {text[:200]!r}")
         elif len(text) > MAX_MESSAGE:

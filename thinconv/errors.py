@@ -57,10 +57,11 @@ MAX_MESSAGE = 300  # characters a message is composed to stay within: lists show
 MAX_LINE = 500  # the CLI's last resort: a longer line is cut in the middle (a long path + a long message)
 
 
-def listed(items, limit: int = 3, sep: str = ", ") -> str:
+def listed(items, limit: int = 3, sep: str = ", ", width: int | None = 80) -> str:
     """At most `limit` items joined by `sep`, then "and N more": lists in messages stay short
-    however many problems (or names) there are."""
-    items = [str(x) for x in items]
+    however many problems (or names) there are. Items longer than `width` are cut (a name in a
+    hostile file may be 5,000 characters); None keeps them whole (a list of messages)."""
+    items = [text if width is None or len(text) <= width else text[:width - 3] + "..." for text in map(str, items)]
     shown = sep.join(items[:limit])
     joiner = " " if sep.strip() == "," else sep
     return f"{shown}{joiner}and {len(items) - limit} more" if len(items) > limit else shown

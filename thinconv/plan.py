@@ -184,7 +184,7 @@ def plan_conversion(ckpt: Checkpoint, recipe: Recipe, options: ConvertOptions) -
     report = map_checkpoint(ckpt, recipe, options.rope_layout, compare_tied_head=False,
                             allowed_keys=options.allow_config_keys)
     if report.problems:
-        raise ConversionError(f"{ckpt.root}: " + listed(report.problems, 3, "; "))
+        raise ConversionError(f"{ckpt.root}: " + listed(report.problems, 3, "; ", None))
     model = report.model
     tensors = []
     for name in spec.tensor_names(model):

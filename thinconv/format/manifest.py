@@ -35,7 +35,7 @@ class ValidationReport:
     def raise_if_invalid(self, what: str = "manifest", cls: type[Exception] = ThinFormatError) -> None:
         if self.errors:
             n = len(self.errors)
-            raise cls(f"{what} is invalid ({n} error{'s' * (n > 1)}): " + listed(self.lines(), 3, "; "))
+            raise cls(f"{what} is invalid ({n} error{'s' * (n > 1)}): " + listed(self.lines(), 3, "; ", None))
 
 
 def parse_manifest(data: bytes, where: str = "manifest") -> Any:
@@ -308,13 +308,13 @@ def _check_tensor(c: _Checker, t: Any, path: str, model: dict | None) -> None:
     if c.str(name, f"{path}.name"):
         role, layer = spec.split_name(name)
         if t.get("role") != role:
-            c.r.add(f"{path}.role", f"expected {role!r} for tensor {name!r}, got {_short(t.get('role'))}")
+            c.r.add(f"{path}.role", f"expected {shown(role)} for tensor {shown(name)}, got {_short(t.get('role'))}")
         elif role not in spec.ROLES:
-            c.r.add(f"{path}.role", f"unknown role {role!r}")
+            c.r.add(f"{path}.role", f"unknown role {shown(role)}")
         got_layer = t.get("layer")
         # `layer` is a JSON integer or null: 1.0 or true must not pass for 1.
         if got_layer != layer or not (got_layer is None or _is_int(got_layer)):
-            c.r.add(f"{path}.layer", f"expected {json.dumps(layer)} for tensor {name!r}, got {_short(t.get('layer'))}")
+            c.r.add(f"{path}.layer", f"expected {json.dumps(layer)} for tensor {shown(name)}, got {_short(t.get('layer'))}")
     src = t.get("source")
     if c.list(src, f"{path}.source"):
         for i, s in enumerate(src):
@@ -405,7 +405,7 @@ def _check_pages(c: _Checker, m: dict) -> None:
             c.r.add(f"{path}.id", f"{shown(pid)} must be 1-255 characters of [A-Za-z0-9._#:/-]")
         if isinstance(pid, str):
             if pid in seen:
-                c.r.add(f"{path}.id", f"duplicate page id {pid!r}")
+                c.r.add(f"{path}.id", f"duplicate page id {shown(pid)}")
             seen.add(pid)
         size_ok = c.int(pg.get("size"), f"{path}.size", lo=1)
         cs = pg.get("checksum")
@@ -421,7 +421,7 @@ def _check_pages(c: _Checker, m: dict) -> None:
             continue
         want_kind, want_id, owner = owners[i]
         if pid != want_id or kind != want_kind or pg.get(kind) != owner.get("name"):
-            c.r.add(path, f"expected page {want_id!r} of {want_kind} {owner.get('name')!r} here (decode order), "
+            c.r.add(path, f"expected page {shown(want_id)} of {want_kind} {shown(owner.get('name'))} here (decode order), "
                           f"got {_short(pid)} of {kind} {_short(pg.get(kind))}")
             continue
         if not isinstance(owner.get("name"), str):
@@ -435,20 +435,20 @@ def _check_pages(c: _Checker, m: dict) -> None:
         _check_tensor_page(c, pg, path, owner, row_cursor, size_ok)
     if len(pages) < len(owners):
         for _, pid, owner in owners[len(pages):]:
-            c.r.add("pages", f"page {pid!r} of {owner.get('name')!r} is not listed")
+            c.r.add("pages", f"page {shown(pid)} of {shown(owner.get('name'))} is not listed")
     if not pages:
         c.r.add("pages", "an archive has at least one page")
     for t in tensors:
         shape, name = t.get("shape"), t.get("name")
         if isinstance(name, str) and name in row_cursor and _shape_ok(shape) and \
                 row_cursor[name] != spec.rows_and_cols(shape)[0]:
-            c.r.add(f"tensor {name}", f"pages cover rows [0, {row_cursor[name]}), "
+            c.r.add(f"tensor {name[:80]}", f"pages cover rows [0, {row_cursor[name]}), "
                                       f"expected [0, {spec.rows_and_cols(shape)[0]})")
     for a in assets:
         if isinstance(a.get("name"), str) and (a["name"] in asset_bytes or a.get("pages") == []):
             got = asset_bytes.get(a.get("name"), 0)
             if _is_int(a.get("size")) and got != a["size"]:
-                c.r.add(f"asset {a.get('name')}", f"pages hold {got} bytes, size says {a['size']}")
+                c.r.add(f"asset {a['name'][:80]}", f"pages hold {got} bytes, size says {a['size']}")
 
 
 def _check_tensor_page(c: _Checker, pg: dict, path: str, t: dict, row_cursor: dict, size_ok: bool) -> None:
@@ -471,7 +471,7 @@ def _check_tensor_page(c: _Checker, pg: dict, path: str, t: dict, row_cursor: di
         return
     n_rows, cols = spec.rows_and_cols(shape)
     if end > n_rows:
-        c.r.add(f"{path}.rows", f"end {end} is past dim 0 = {n_rows} of {name!r}")
+        c.r.add(f"{path}.rows", f"end {end} is past dim 0 = {n_rows} of {shown(name)}")
         return
     if len(shape) == 3 and start // shape[1] != (end - 1) // shape[1]:
         c.r.add(f"{path}.rows", f"{rows} straddles experts {start // shape[1]} and {(end - 1) // shape[1]} "
