@@ -81,7 +81,7 @@ class MappingReport:
 
 def names_text(names: list[str], limit: int = 3) -> str:
     """A few names, then "and N more" (messages stay one short line)."""
-    return listed(names, limit)
+    return listed(names, limit, width=160)  # an entry may name its sources: "X (from Y)"
 
 
 def weights_dtype(ckpt: Checkpoint) -> str:
