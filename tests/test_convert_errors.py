@@ -66,7 +66,7 @@ def case_config_field_wrong_type(src: Path, marker: Path):
 
 def case_unknown_architecture(src: Path, marker: Path):
     _edit_config(src, architectures=["FancyNetForCausalLM"])
-    return ["config.json", "FancyNetForCausalLM", "supported: ", "LlamaForCausalLM", "Qwen3ForCausalLM",
+    return ["config.json", "FancyNetForCausalLM", "`thinconv recipes` lists the", "supported",
             "--recipes DIR", "THINCONV_RECIPES"]
 
 

@@ -76,6 +76,9 @@ class ConvertResult:
                 "worst": max(q.items(), key=lambda kv: kv[1]["rel_rmse"])[0]}
 
 
+ASSET_CHUNK = 4 * 1024 * 1024  # bytes of an asset read, hashed and written at a time
+
+
 @dataclass(frozen=True)
 class _PageJob:
     """One page of the output, in file order: tensor rows [start, end) or asset bytes [start, end)."""
@@ -227,9 +230,7 @@ def convert(ckpt: Checkpoint, plan: Plan, out: str | os.PathLike, *, force: bool
                 page = maker.make(job.tensor, job.start, job.end, emit)
             else:
                 page = PageOutput()
-                with open(job.asset.file.path, "rb") as src:
-                    src.seek(job.start)
-                    emit(np.frombuffer(src.read(job.size), np.uint8))
+                _copy_asset(job, emit)
             if cursor - offset != job.size:
                 raise ConversionError(f"page {job.pid}: produced {cursor - offset} bytes, the plan says {job.size}")
             start_writeback(fd, offset, job.size)  # so the final fsync finds little to do
@@ -259,6 +260,21 @@ def convert(ckpt: Checkpoint, plan: Plan, out: str | os.PathLike, *, force: bool
     layout = state["layout"]
     return ConvertResult(out, layout.file_size, len(jobs), layout.archive_hash.hex(), time.perf_counter() - t0,
                          state["manifest"], state["warnings"], state["shift"], stale)
+
+
+def _copy_asset(job: _PageJob, emit: Callable[[np.ndarray], None]) -> None:
+    """Asset bytes [start, end) in chunks of ASSET_CHUNK, whatever the page size: memory stays
+    bounded for a 1 GiB page of a large tokenizer.json. A file that shrank since planning is named."""
+    with open(job.asset.file.path, "rb") as src:
+        src.seek(job.start)
+        remaining = job.size
+        while remaining > 0:
+            block = src.read(min(ASSET_CHUNK, remaining))
+            if not block:
+                raise ConversionError(f"{job.asset.file.path}: ended {remaining} bytes early (it changed during "
+                                      f"the conversion)")
+            emit(np.frombuffer(block, np.uint8))
+            remaining -= len(block)
 
 
 def _page_jobs(plan: Plan) -> list[_PageJob]:

@@ -49,3 +49,36 @@ class ExportError(ThinError):
 
 class PublishError(ThinError):
     """Publishing to the Hugging Face Hub failed (bad repo id, no token, upload refused)."""
+
+
+# ---------------------------------------------------------------- one short line per message
+
+MAX_MESSAGE = 300  # characters a message is composed to stay within: lists show a few items, values are cut
+MAX_LINE = 500  # the CLI's last resort: a longer line is cut in the middle (a long path + a long message)
+
+
+def listed(items, limit: int = 3, sep: str = ", ", width: int | None = 80) -> str:
+    """At most `limit` items joined by `sep`, then "and N more": lists in messages stay short
+    however many problems (or names) there are. Items longer than `width` are cut (a name in a
+    hostile file may be 5,000 characters); None keeps them whole (a list of messages)."""
+    items = [text if width is None or len(text) <= width else text[:width - 3] + "..." for text in map(str, items)]
+    shown = sep.join(items[:limit])
+    joiner = " " if sep.strip() == "," else sep
+    return f"{shown}{joiner}and {len(items) - limit} more" if len(items) > limit else shown
+
+
+def one_line(message: str, limit: int = MAX_MESSAGE) -> str:
+    """`message` on one line of at most `limit` characters: the middle of a longer one is cut, so
+    that both what it names (the start) and what was expected (the end) remain."""
+    text = " ".join(str(message).split())
+    if len(text) <= limit:
+        return text
+    head = (limit - 3) * 2 // 3
+    return text[:head] + " … " + text[len(text) - (limit - 3 - head):]
+
+
+def shown(value, limit: int = 60) -> str:
+    """A value as a message shows it: its repr, cut to `limit` characters (a config may hold a
+    list of 3,000 items where a number belongs)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

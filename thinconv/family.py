@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from thinconv import expr
-from thinconv.errors import ConversionError, RecipeError
+from thinconv.errors import ConversionError, RecipeError, shown
 from thinconv.format import schema
 
 # Keys that never change what the network computes at inference (transformers 5 and the 4.x keys
@@ -133,15 +133,15 @@ def _functions(config: RecordingConfig, recipe: str) -> dict:
         return obj.get(key, default) if isinstance(obj, Mapping) else default
 
     def activation(name: Any) -> str:
-        if name not in ACTIVATIONS:
-            raise ConversionError(f"config.json: activation {name!r} is none that mlp.activation can say "
+        if not isinstance(name, str) or name not in ACTIVATIONS:
+            raise ConversionError(f"config.json: activation {shown(name)} is none that mlp.activation can say "
                                   f"({', '.join(sorted(ACTIVATIONS))})")
         return ACTIVATIONS[name]
 
     def layer_kinds(types: Any) -> list[str]:
         if not isinstance(types, list) or not all(t in LAYER_TYPES for t in types):
             raise ConversionError(f"config.json: field 'layer_types' entries must be full_attention or "
-                                  f"sliding_attention, got {types!r}")
+                                  f"sliding_attention, got {shown(types)}")
         return [LAYER_TYPES[t] for t in types]
 
     return {**expr.BASE_FUNCTIONS, "cfg": cfg, "has": has, "get": get, "activation": activation,

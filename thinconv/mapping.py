@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from thinconv.checkpoint.source import Checkpoint
-from thinconv.errors import ConversionError
+from thinconv.errors import ConversionError, listed, shown
 from thinconv.format import dtypes, spec
 from thinconv.modelmeta import config_keys_problem, read_model
 from thinconv.recipe import Recipe
@@ -74,12 +74,14 @@ class MappingReport:
             out.append(f"{len(self.missing)} required tensor(s) missing from the checkpoint: {names_text(self.missing)}")
         dtype_errors = self.dtype_errors
         if len(dtype_errors) > 3:  # e.g. every fp8 scale of a big model on the wrong grid: the first few say it
-            dtype_errors = dtype_errors[:3] + [f"… and {len(dtype_errors) - 3} more tensor(s) like these"]
+            dtype_errors = dtype_errors[:2] + [f"{dtype_errors[2]} … and {len(dtype_errors) - 3} more tensor(s) like "
+                                               f"these"]
         return out + self.unexpected + self.shape_errors + dtype_errors
 
 
-def names_text(names: list[str], limit: int = 12) -> str:
-    return ", ".join(names[:limit]) + (f", … ({len(names) - limit} more)" if len(names) > limit else "")
+def names_text(names: list[str], limit: int = 3) -> str:
+    """A few names, then "and N more" (messages stay one short line)."""
+    return listed(names, limit, width=160)  # an entry may name its sources: "X (from Y)"
 
 
 def weights_dtype(ckpt: Checkpoint) -> str:
@@ -97,7 +99,7 @@ def read_fp8(config: Mapping[str, Any]) -> Fp8 | None:
     if qc is None:
         return None
     if not isinstance(qc, Mapping):
-        raise ConversionError(f"config.json: field 'quantization_config' must be an object, got {qc!r}")
+        raise ConversionError(f"config.json: field 'quantization_config' must be an object, got {shown(qc)}")
     method = qc.get("quant_method")
     if method != "fp8":
         raise ConversionError(f"config.json: quantization_config.quant_method {method!r} is not supported: thinconv "
@@ -114,7 +116,7 @@ def read_fp8(config: Mapping[str, Any]) -> Fp8 | None:
     if not (isinstance(block, list) and len(block) == 2 and all(
             isinstance(b, int) and not isinstance(b, bool) and 1 <= b <= 1 << 20 for b in block)):
         raise ConversionError(f"config.json: quantization_config.weight_block_size must be [rows, cols] of positive "
-                              f"integers, got {block!r}")
+                              f"integers, got {shown(block)}")
     return Fp8((block[0], block[1]), dict(qc))
 
 
@@ -129,7 +131,8 @@ def map_checkpoint(ckpt: Checkpoint, recipe: Recipe, rope_layout: str = "half", 
     model, keys = read_model(ckpt.config, ckpt.generation_config, architecture=recipe.name, rules=recipe.metadata,
                              rope_layout=rope_layout, family=recipe.family, weights_dtype=wdtype,
                              allowed_keys=allowed_keys, check_keys=False, consumed=("quantization_config",),
-                             max_layers=len(ckpt.tensors))
+                             max_layers=len(ckpt.tensors),
+                             max_elements=max((math.prod(e.shape) for e in ckpt.tensors.values()), default=0))
     report = MappingReport(model, fp8=fp8, weights_dtype=wdtype)
     report.config_problem = config_keys_problem(ckpt.config, keys, recipe.name)
     claims = _claim_wanted(ckpt, recipe, report)

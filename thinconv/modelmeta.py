@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from thinconv import family as fam
-from thinconv.errors import ConversionError, RecipeError, UsageError
+from thinconv.errors import ConversionError, RecipeError, UsageError, shown
 from thinconv.format import schema
 from thinconv.format.manifest import validate_model
 
@@ -78,7 +78,7 @@ class MetadataRules:
     def from_table(cls, table: dict, where: str) -> MetadataRules:
         """Rules from a recipe's [metadata] table; unknown keys or wrong types → RecipeError."""
         if not isinstance(table, Mapping):
-            raise RecipeError(f"{where}: must be a table, got {table!r}")
+            raise RecipeError(f"{where}: must be a table, got {shown(table)}")
         names = [field.name for field in dataclasses.fields(cls)]
         for key, value in table.items():
             if key not in names:
@@ -90,18 +90,18 @@ class MetadataRules:
 def _check_rule(name: str, value: Any, where: str) -> None:
     if name == "head_dim_default":
         if value is not None and (not _is_int(value) or value <= 0):
-            raise RecipeError(f"{where}: 'head_dim_default' must be a positive integer, got {value!r}")
+            raise RecipeError(f"{where}: 'head_dim_default' must be a positive integer, got {shown(value)}")
     elif name == "sliding_window":
         if value not in _SLIDING_RULES:
             choices = ", ".join(_SLIDING_RULES)
-            raise RecipeError(f"{where}: 'sliding_window' must be one of {choices}, got {value!r}")
+            raise RecipeError(f"{where}: 'sliding_window' must be one of {choices}, got {shown(value)}")
     elif name in ("qkv_bias", "o_bias"):
         if not isinstance(value, bool) and not (isinstance(value, str) and value):
-            raise RecipeError(f"{where}: {name!r} must be a boolean or a config key name, got {value!r}")
+            raise RecipeError(f"{where}: {name!r} must be a boolean or a config key name, got {shown(value)}")
     elif name in ("qk_norm", "rope_per_layer_type") and not isinstance(value, bool):
-        raise RecipeError(f"{where}: {name!r} must be a boolean, got {value!r}")
+        raise RecipeError(f"{where}: {name!r} must be a boolean, got {shown(value)}")
     elif name == "rope_source_layout" and value not in _ROPE_LAYOUTS:
-        raise RecipeError(f"{where}: 'rope_source_layout' must be one of {', '.join(_ROPE_LAYOUTS)}, got {value!r}")
+        raise RecipeError(f"{where}: 'rope_source_layout' must be one of {', '.join(_ROPE_LAYOUTS)}, got {shown(value)}")
 
 
 def read_model_metadata(config: dict, generation_config: dict | None, **kwargs: Any) -> dict:
@@ -123,6 +123,7 @@ def read_model(
     check_keys: bool = True,
     consumed: tuple[str, ...] = (),
     max_layers: int | None = None,
+    max_elements: int | None = None,
 ) -> tuple[dict, list[str]]:
     """(the `model` object, the config keys nothing accounts for): the Llama reading below, refined
     by the recipe's `[model]` expressions (`family`), then every config key accounted for
@@ -133,9 +134,9 @@ def read_model(
     if generation_config is not None and not isinstance(generation_config, Mapping):
         raise ConversionError(f"{_GENERATION}: must be a JSON object")
     if not isinstance(architecture, str) or not architecture:
-        raise RecipeError(f"recipe: architecture must be a non-empty string, got {architecture!r}")
+        raise RecipeError(f"recipe: architecture must be a non-empty string, got {shown(architecture)}")
     if rope_layout not in _ROPE_LAYOUTS:
-        raise UsageError(f"rope layout must be one of {', '.join(_ROPE_LAYOUTS)}, got {rope_layout!r}")
+        raise UsageError(f"rope layout must be one of {', '.join(_ROPE_LAYOUTS)}, got {shown(rope_layout)}")
     seen = fam.RecordingConfig(config)
     seen.read.update(consumed)  # keys the caller reads itself (e.g. quantization_config)
     if max_layers is not None:  # bound the per-layer work by the tensors present, before doing any
@@ -148,9 +149,16 @@ def read_model(
     model = schema.canonical_model(_normalized(model))
     problems = validate_model(model).lines()
     if not problems:
+        _check_dims_fit(model, max_elements)
         from thinconv.rope import check_rope  # numpy: see _attention_factor
 
-        check_rope(model)
+        try:
+            check_rope(model)
+        except ConversionError as e:
+            rope = model["rope"]
+            kind = (rope.get("scaling") or {}).get("type", "none")
+            raise ConversionError(f"{_CONFIG}: fields 'rope_theta' / 'rope_parameters' (theta {shown(rope['theta'])}, "
+                                  f"scaling {shown(kind)}): {e}") from None
     if problems:
         raise ConversionError(f"recipe {architecture}: the model section it computes is invalid: "
                               + "; ".join(problems[:3]) + (f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""))
@@ -159,6 +167,16 @@ def read_model(
         if problem:
             raise ConversionError(problem)
     return model, fam.unaccounted_keys(seen, family, allowed_keys)
+
+
+def _check_dims_fit(model: dict, max_elements: int | None) -> None:
+    """head_dim is bounded by the largest tensor present (q_proj alone holds head_dim × heads ×
+    hidden values): refused before the RoPE tables it sizes are computed. (Other dimensions size
+    nothing before the tensors' shapes are compared with them.)"""
+    head_dim = model.get("head_dim")
+    if max_elements is not None and isinstance(head_dim, int) and head_dim > max_elements:
+        raise ConversionError(f"{_CONFIG}: head_dim is {head_dim}, but the largest tensor of the checkpoint holds "
+                              f"only {max_elements} values")
 
 
 def config_keys_problem(config: Mapping[str, Any], keys: list[str], recipe: str) -> str | None:
@@ -193,7 +211,7 @@ def _base_model(config: Mapping, generation_config: dict | None, *, architecture
     architectures = config.get("architectures")
     if not isinstance(architectures, list) or not architectures or not isinstance(architectures[0], str):
         raise ConversionError(
-            f"{_CONFIG}: field 'architectures' must be a non-empty list of names, got {architectures!r}"
+            f"{_CONFIG}: field 'architectures' must be a non-empty list of names, got {shown(architectures)}"
         )
 
     hidden = _positive_int(config, "hidden_size")
@@ -211,8 +229,8 @@ def _base_model(config: Mapping, generation_config: dict | None, *, architecture
     head_dim = _head_dim(config, hidden, heads, rules)
 
     hidden_act = config.get("hidden_act", "silu")
-    if hidden_act not in fam.ACTIVATIONS:
-        raise ConversionError(f"{_CONFIG}: field 'hidden_act' is {hidden_act!r}, an activation mlp.activation cannot "
+    if not isinstance(hidden_act, str) or hidden_act not in fam.ACTIVATIONS:
+        raise ConversionError(f"{_CONFIG}: field 'hidden_act' is {shown(hidden_act)}, an activation mlp.activation cannot "
                               f"say ({', '.join(sorted(fam.ACTIVATIONS))})")
     eps = _positive_number(config, "rms_norm_eps", 1e-6)
 
@@ -316,7 +334,7 @@ def _rope(config: Mapping[str, Any], *, head_dim: int, max_pos: int, layout: str
         config.get(key)  # transformers folds these together; whichever wins below, all are accounted for
     params = config.get(source_key) or {}
     if not isinstance(params, Mapping):
-        raise ConversionError(f"{_CONFIG}: field {source_key!r} must be an object or null, got {params!r}")
+        raise ConversionError(f"{_CONFIG}: field {source_key!r} must be an object or null, got {shown(params)}")
     where = f"{_CONFIG}: {source_key}"
     if any(isinstance(value, Mapping) for value in params.values()):
         raise ConversionError(f"{where}: per-layer-type RoPE parameters are not supported")
@@ -324,14 +342,14 @@ def _rope(config: Mapping[str, Any], *, head_dim: int, max_pos: int, layout: str
     theta_where = where if "rope_theta" in params else _CONFIG
     theta = params["rope_theta"] if "rope_theta" in params else config.get("rope_theta", 10000.0)
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta) or theta <= 0:
-        raise ConversionError(f"{theta_where}: field 'rope_theta' must be a positive number, got {theta!r}")
+        raise ConversionError(f"{theta_where}: field 'rope_theta' must be a positive number, got {shown(theta)}")
 
     factor_src = params if "partial_rotary_factor" in params else config
     partial = factor_src.get("partial_rotary_factor")
     rotary_dim = head_dim
     if partial is not None:
         if isinstance(partial, bool) or not isinstance(partial, (int, float)) or not 0 < partial <= 1:
-            raise ConversionError(f"{_CONFIG}: field 'partial_rotary_factor' must be in (0, 1], got {partial!r}")
+            raise ConversionError(f"{_CONFIG}: field 'partial_rotary_factor' must be in (0, 1], got {shown(partial)}")
         rotary_dim = int(head_dim * partial)  # transformers truncates, as here
     if rotary_dim <= 0 or rotary_dim % 2:
         how = f"head_dim {head_dim}" + ("" if partial is None else f" × partial_rotary_factor {partial}")
@@ -381,18 +399,18 @@ def _rope(config: Mapping[str, Any], *, head_dim: int, max_pos: int, layout: str
 def _rope_value(key: str, value: Any, where: str) -> Any:
     if key in _INT_ROPE_KEYS:
         if not _is_int(value) or value <= 0:
-            raise ConversionError(f"{where}: '{key}' must be a positive integer, got {value!r}")
+            raise ConversionError(f"{where}: '{key}' must be a positive integer, got {shown(value)}")
         return value
     if key == "truncate":
         if not isinstance(value, bool):
-            raise ConversionError(f"{where}: 'truncate' must be a boolean, got {value!r}")
+            raise ConversionError(f"{where}: 'truncate' must be a boolean, got {shown(value)}")
         return value
     if key in ("short_factor", "long_factor"):
         if not isinstance(value, list) or not all(_is_number(item) for item in value):
-            raise ConversionError(f"{where}: {key!r} must be a list of numbers, got {value!r}")
+            raise ConversionError(f"{where}: {key!r} must be a list of numbers, got {shown(value)}")
         return [float(item) for item in value]
     if not _is_number(value):
-        raise ConversionError(f"{where}: {key!r} must be a finite number, got {value!r}")
+        raise ConversionError(f"{where}: {key!r} must be a finite number, got {shown(value)}")
     return float(value)
 
 
@@ -435,11 +453,11 @@ def _window(config: Mapping[str, Any]) -> int | None:
 def _layer_types(value: Any, layers: int) -> list[str]:
     names = {"full_attention": "full", "attention": "full", "sliding_attention": "sliding"}
     if not isinstance(value, list) or len(value) != layers:
-        raise ConversionError(f"{_CONFIG}: field 'layer_types' must list {layers} layer types, got {value!r}")
+        raise ConversionError(f"{_CONFIG}: field 'layer_types' must list {layers} layer types, got {shown(value)}")
     for item in value:
         if item not in names:
             raise ConversionError(
-                f"{_CONFIG}: field 'layer_types' entries must be full_attention or sliding_attention, got {item!r}"
+                f"{_CONFIG}: field 'layer_types' entries must be full_attention or sliding_attention, got {shown(item)}"
             )
     return [names[item] for item in value]
 
@@ -471,7 +489,7 @@ def _config_then_generation(
 
 def _token_id(value: Any, file: str, key: str, vocab: int) -> int:
     if not _is_int(value) or not 0 <= value < vocab:
-        raise ConversionError(f"{file}: field {key!r} must be a token id in [0, {vocab}), got {value!r}")
+        raise ConversionError(f"{file}: field {key!r} must be a token id in [0, {vocab}), got {shown(value)}")
     return value
 
 
@@ -492,28 +510,28 @@ def _positive_int(config: Mapping[str, Any], key: str) -> int:
         raise ConversionError(f"{_CONFIG}: field {key!r} is missing (expected a positive integer)")
     value = config[key]
     if not _is_int(value) or value <= 0:
-        raise ConversionError(f"{_CONFIG}: field {key!r} must be a positive integer, got {value!r}")
+        raise ConversionError(f"{_CONFIG}: field {key!r} must be a positive integer, got {shown(value)}")
     return value
 
 
 def _non_negative_int(config: Mapping[str, Any], key: str, default: int) -> int:
     value = config.get(key, default)
     if not _is_int(value) or value < 0:
-        raise ConversionError(f"{_CONFIG}: field {key!r} must be a non-negative integer, got {value!r}")
+        raise ConversionError(f"{_CONFIG}: field {key!r} must be a non-negative integer, got {shown(value)}")
     return value
 
 
 def _positive_number(config: Mapping[str, Any], key: str, default: float) -> float:
     value = config.get(key, default)
     if not _is_number(value) or value <= 0:
-        raise ConversionError(f"{_CONFIG}: field {key!r} must be a positive number, got {value!r}")
+        raise ConversionError(f"{_CONFIG}: field {key!r} must be a positive number, got {shown(value)}")
     return float(value)
 
 
 def _bool(config: Mapping[str, Any], key: str, default: bool) -> bool:
     value = config.get(key, default)
     if not isinstance(value, bool):
-        raise ConversionError(f"{_CONFIG}: field {key!r} must be true or false, got {value!r}")
+        raise ConversionError(f"{_CONFIG}: field {key!r} must be true or false, got {shown(value)}")
     return value
 
 

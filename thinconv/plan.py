@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass
 
 from thinconv.checkpoint.source import Checkpoint, SourceFile
-from thinconv.errors import ConversionError, UsageError
+from thinconv.errors import ConversionError, UsageError, listed
 from thinconv.format import dtypes, schema, spec
 from thinconv.format.writer import split_bytes, split_rows
 from thinconv.mapping import MappingReport, map_checkpoint
@@ -184,7 +184,7 @@ def plan_conversion(ckpt: Checkpoint, recipe: Recipe, options: ConvertOptions) -
     report = map_checkpoint(ckpt, recipe, options.rope_layout, compare_tied_head=False,
                             allowed_keys=options.allow_config_keys)
     if report.problems:
-        raise ConversionError(f"{ckpt.root}: " + "; ".join(report.problems))
+        raise ConversionError(f"{ckpt.root}: " + listed(report.problems, 3, "; ", None))
     model = report.model
     tensors = []
     for name in spec.tensor_names(model):
@@ -206,6 +206,10 @@ def plan_conversion(ckpt: Checkpoint, recipe: Recipe, options: ConvertOptions) -
         tensors.append(TensorPlan(name, role, layer, sources, shape, source_dtype, dtype, _pages(shape, rb, options),
                                   rb, permute_rope=_rope_permutation(recipe, options, role),
                                   transform=transform, note=note, fp8_block=fp8))
+    for f in ckpt.asset_files():
+        if f.size > spec.MAX_ASSET_SIZE:
+            raise ConversionError(f"{f.path}: {f.size} bytes, beyond the {spec.MAX_ASSET_SIZE // 2**30} GiB an "
+                                  f"embedded file may have (FORMAT.md §2.6)")
     assets = [AssetPlan(f, split_bytes(f.size, options.page_size)) for f in ckpt.asset_files()]
     return Plan(recipe, model, options, tensors, assets, report)
 

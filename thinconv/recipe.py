@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from thinconv import expr
-from thinconv.errors import ConversionError, RecipeError
+from thinconv.errors import ConversionError, RecipeError, listed, shown
 from thinconv.family import FamilyRules
 from thinconv.format import dtypes, spec
 from thinconv.modelmeta import MetadataRules
@@ -77,7 +77,7 @@ class SourceSpec:
                 isinstance(r, list) and len(r) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in r)
                 and 0 <= r[0] < r[1] for r in ranges)):
             raise ConversionError(f"{where}: rows must give a non-empty list of [a, b] ranges with 0 ≤ a < b, "
-                                  f"got {ranges!r}")
+                                  f"got {shown(ranges)}")
         return [f"{out[0]}[{a}:{b}]" for a, b in ranges]
 
 
@@ -194,6 +194,8 @@ def _read_toml(path: Path | Any, label: str) -> dict:
         return tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as e:
         raise RecipeError(f"{label}: invalid TOML ({e})") from None
+    except RecursionError:  # tomllib recurses once per nesting level
+        raise RecipeError(f"{label}: invalid TOML (nested too deeply)") from None
     except (OSError, UnicodeDecodeError) as e:
         raise RecipeError(f"{label}: cannot read ({e})") from None
 
@@ -272,7 +274,7 @@ def _build(raw: dict, label: str, chain: tuple[str, ...]) -> Recipe:
         raise err(unknown[0], f"unknown key (expected one of {', '.join(sorted(_RECIPE_KEYS))})")
     name = raw.get("name")
     if not isinstance(name, str) or not re.fullmatch(r"[a-z][a-z0-9_-]*", name):
-        raise err("name", f"expected a lowercase identifier, got {name!r}")
+        raise err("name", f"expected a lowercase identifier, got {shown(name)}")
     archs = raw.get("architectures")
     if not (isinstance(archs, list) and archs and all(isinstance(a, str) and a for a in archs)):
         raise err("architectures", "expected a non-empty list of HF class names (e.g. ['LlamaForCausalLM'])")
@@ -337,8 +339,8 @@ class Registry:
             return self.for_architecture(archs, f"{label}/config.json")
         recipe = self.get(recipe_name)
         if not set(map(str, archs)) & set(recipe.architectures):
-            raise RecipeError(f"{label}/config.json: architecture {', '.join(map(str, archs)) or '(none)'} is not handled "
-                              f"by recipe {recipe.name!r} ({', '.join(recipe.architectures)}); try `thinconv convert`")
+            raise RecipeError(f"{label}/config.json: architecture {listed(archs) or '(none)'} is not handled "
+                              f"by recipe {recipe.name!r} ({listed(recipe.architectures)}); try `thinconv convert`")
         return recipe
 
     def for_architecture(self, architectures: Iterable[str], where: str = "config.json") -> Recipe:
@@ -348,9 +350,9 @@ class Registry:
                 if arch in recipe.architectures:
                     return recipe
         supported = sorted({a for r in self.recipes.values() for a in r.architectures})
-        raise RecipeError(f"{where}: architecture {', '.join(archs) or '(none)'} is not handled by any recipe "
-                          f"(supported: {', '.join(supported)}); add one with --recipes DIR or $THINCONV_RECIPES "
-                          f"(see docs/adding-an-architecture.md)")
+        raise RecipeError(f"{where}: architecture {listed(archs, 2) or '(none)'} is not handled by any recipe "
+                          f"(`thinconv recipes` lists the {len(supported)} supported); add one with --recipes DIR "
+                          f"or $THINCONV_RECIPES (docs/adding-an-architecture.md)")
 
 
 def recipe_dirs(extra: Iterable[str | os.PathLike] = ()) -> list[Path]:

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from thinconv.errors import ConversionError
+from thinconv.errors import ConversionError, shown
 
 #: Scaling types whose frequencies depend on the sequence length at run time (no `rope_freqs`).
 DYNAMIC_SCALING_TYPES = frozenset({"dynamic", "longrope"})
@@ -55,11 +55,11 @@ def rope_inv_freq(
     table (dynamic, longrope)."""
     theta = _number(rope, "theta", "rope")
     if theta <= 0:
-        raise ConversionError(f"rope: 'theta' must be positive, got {theta!r}")
+        raise ConversionError(f"rope: 'theta' must be positive, got {shown(theta)}")
     dim = rope.get("rotary_dim")
     if not _is_int(dim) or dim <= 0 or dim % 2 or dim > head_dim:
         raise ConversionError(
-            f"rope: 'rotary_dim' must be an even positive integer <= head_dim {head_dim}, got {dim!r}"
+            f"rope: 'rotary_dim' must be an even positive integer <= head_dim {head_dim}, got {shown(dim)}"
         )
     scaling = rope.get("scaling")
     kind = scaling_type(scaling)
@@ -171,10 +171,10 @@ def scaling_type(scaling: Mapping[str, Any] | None) -> str | None:
     if scaling is None:
         return None
     if not isinstance(scaling, Mapping):
-        raise ConversionError(f"{_WHERE}: must be an object or null, got {scaling!r}")
+        raise ConversionError(f"{_WHERE}: must be an object or null, got {shown(scaling)}")
     kind = scaling.get("type", scaling.get("rope_type", "default"))
     if not isinstance(kind, str):
-        raise ConversionError(f"{_WHERE}: 'type' must be a string, got {kind!r}")
+        raise ConversionError(f"{_WHERE}: 'type' must be a string, got {shown(kind)}")
     return None if kind == "default" else kind
 
 
@@ -249,7 +249,7 @@ def _original_max(p: Mapping[str, Any], max_position_embeddings: int) -> float:
         return float(max_position_embeddings)  # transformers' standardize_rope_params default
     value = _number(p, "original_max_position_embeddings", _WHERE)
     if value <= 0:
-        raise ConversionError(f"{_WHERE}: 'original_max_position_embeddings' must be positive, got {value!r}")
+        raise ConversionError(f"{_WHERE}: 'original_max_position_embeddings' must be positive, got {shown(value)}")
     return value
 
 
@@ -260,5 +260,5 @@ def _is_int(value: Any) -> bool:
 def _number(obj: Mapping[str, Any], key: str, where: str) -> float:
     value = obj.get(key)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ConversionError(f"{where}: '{key}' must be a finite number, got {value!r}")
+        raise ConversionError(f"{where}: '{key}' must be a finite number, got {shown(value)}")
     return float(value)

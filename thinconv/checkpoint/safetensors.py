@@ -10,7 +10,6 @@ last one silently) and only the dtypes numpy can view are accepted.
 from __future__ import annotations
 
 import json
-import math
 import mmap
 import os
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ import ml_dtypes
 import numpy as np
 
 from thinconv import strictjson
-from thinconv.errors import CheckpointError
+from thinconv.errors import CheckpointError, shown
 from thinconv.memory import FAULT_AROUND, drop_resident
 
 MAX_HEADER_SIZE = 100_000_000  # same limit as the Rust crate
@@ -175,7 +174,10 @@ def _parse_header(buf: mmap.mmap, size: int, path: Path,
                                   " of the data section, expected contiguous tensors")
         if begin < cursor:
             raise CheckpointError(f"{where} overlap tensor {previous!r}, which ends at byte {cursor}")
-        expected = math.prod(shape) * NUMPY_DTYPES[dtype].itemsize
+        expected = _nbytes(shape, NUMPY_DTYPES[dtype].itemsize, 2**64)
+        if expected is None:
+            raise CheckpointError(f"{label}: tensor {name!r} has shape {_json_short(list(shape))}: 2^64 bytes of "
+                                  f"{dtype} or more, beyond any file")
         if end - begin != expected:
             raise CheckpointError(f"{where} hold {end - begin} bytes, expected {expected}"
                                   f" (shape {list(shape)} × {dtype})")
@@ -244,15 +246,34 @@ def _tensor_info(name: str, info: object,
             raise CheckpointError(f"{where} has no {key!r}")
     dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
     if not isinstance(dtype, str) or dtype not in NUMPY_DTYPES:
-        raise CheckpointError(f"{where} has dtype {dtype!r}, expected one of "
+        raise CheckpointError(f"{where} has dtype {shown(dtype)}, expected one of "
                               + ", ".join(NUMPY_DTYPES))
     if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
-        raise CheckpointError(f"{where} has shape {json.dumps(shape)}, expected a list of"
+        raise CheckpointError(f"{where} has shape {_json_short(shape)}, expected a list of"
                               " non-negative integers")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)):
-        raise CheckpointError(f"{where} has data_offsets {json.dumps(offsets)}, expected"
+        raise CheckpointError(f"{where} has data_offsets {_json_short(offsets)}, expected"
                               " [begin, end] with non-negative integers")
     begin, end = offsets
     if begin > end:
         raise CheckpointError(f"{where} data_offsets [{begin}, {end}] begin after they end")
     return name, dtype, tuple(shape), begin, end
+
+
+def _json_short(value: object, limit: int = 60) -> str:
+    """A header value as JSON, cut to `limit` characters (messages stay one short line)."""
+    text = json.dumps(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _nbytes(shape, itemsize: int, limit: int) -> int | None:
+    """Bytes of a tensor of `shape`, or None past `limit`: a hostile shape of many 20-digit
+    dimensions is not multiplied out (nor printed) in full."""
+    if 0 in shape:
+        return 0
+    n = itemsize
+    for d in shape:
+        n *= d
+        if n > limit:
+            return None
+    return n

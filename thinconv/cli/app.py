@@ -24,7 +24,7 @@ from rich.table import Table
 from rich.text import Text
 from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 
-from thinconv.errors import JobsFileError, ThinError, UsageError
+from thinconv.errors import MAX_LINE, JobsFileError, ThinError, UsageError, one_line
 
 try:  # typer ≥ 0.24 vendors click as typer._click
     from typer._click import exceptions as _click_exc
@@ -186,7 +186,10 @@ def print_json_error(message: str, kind: str, code: int, **more: Any) -> None:
 
 def fail(message: str, code: int = 1, kind: str = "error", **more: Any) -> None:
     """Report a failure (one `error:` line on stderr, or the JSON error object on stdout under
-    --json) and exit with `code`."""
+    --json) and exit with `code`. A message is clipped so that its line has at most MAX_LINE characters
+    (a jobs file's problems are one line each, and keep theirs)."""
+    if kind != "jobs_file":
+        message = one_line(message, MAX_LINE - len("error: "))  # the printed line: at most MAX_LINE
     if json_mode():
         print_json_error(message, kind, code, **more)
     else:

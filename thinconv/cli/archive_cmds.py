@@ -9,7 +9,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from thinconv.cli.app import app, byte_progress, err, examples, fail, human, out, print_json, print_table, reported
-from thinconv.errors import ThinError, ThinFormatError
+from thinconv.errors import MAX_LINE, ThinError, ThinFormatError, one_line
 
 ARCHIVE = typer.Argument(..., metavar="ARCHIVE", help="A .thin archive.")
 JSON = typer.Option(False, "--json", help="Print one JSON object (README: JSON output).")
@@ -216,6 +216,7 @@ def verify(archive: Path = ARCHIVE, as_json: bool = JSON) -> None:
                 task = bar.add_task("verifying", total=total)
                 report = a.verify(progress=lambda n: bar.advance(task, n))
             failures, checked = report.failures, report.bytes_checked
+    failures = [one_line(f, MAX_LINE - len("FAIL ")) for f in failures]
     if as_json:
         print_json({"path": str(archive), "ok": not failures, "failures": failures, "bytes_checked": checked})
     elif failures:

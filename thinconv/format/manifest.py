@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 from thinconv import strictjson
-from thinconv.errors import ThinFormatError
+from thinconv.errors import ThinFormatError, listed, shown
 from thinconv.format import dtypes, schema, spec
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -34,7 +35,7 @@ class ValidationReport:
     def raise_if_invalid(self, what: str = "manifest", cls: type[Exception] = ThinFormatError) -> None:
         if self.errors:
             n = len(self.errors)
-            raise cls(f"{what} is invalid ({n} error{'s' * (n > 1)}): " + "; ".join(self.lines()))
+            raise cls(f"{what} is invalid ({n} error{'s' * (n > 1)}): " + listed(self.lines(), 3, "; ", None))
 
 
 def parse_manifest(data: bytes, where: str = "manifest") -> Any:
@@ -109,7 +110,7 @@ class _Checker:
             self.r.add(path, f"expected a non-empty string{' or null' * null}, got {_kind(v)}")
             return False
         if choices is not None and v not in choices:
-            self.r.add(path, f"expected one of {', '.join(map(repr, choices))}, got {v!r}")
+            self.r.add(path, f"expected one of {', '.join(map(repr, choices))}, got {shown(v)}")
             return False
         return True
 
@@ -215,11 +216,12 @@ def _check_layers(c: _Checker, model: dict, key: schema.Key, v: Any, path: str) 
     n = model.get("num_layers")
     if _is_int(n) and n >= 1 and len(v) != n:
         c.r.add(path, f"has {len(v)} entries, expected num_layers = {n}")
-    for i, item in enumerate(v):
-        if key.choices:
-            c.str(item, f"{path}[{i}]", key.choices)
-        else:
-            c.bool(item, f"{path}[{i}]")
+    # No key path built per entry (there may be 10^6): the first few that fail are reported.
+    bad = [i for i, x in enumerate(v) if not (x in key.choices if key.choices else isinstance(x, bool))]
+    for i in bad[:3]:
+        c.str(v[i], f"{path}[{i}]", key.choices) if key.choices else c.bool(v[i], f"{path}[{i}]")
+    if len(bad) > 3:
+        c.r.add(path, f"{len(bad) - 3} more entries like these")
 
 
 def _check_scaling(c: _Checker, sc: Any, path: str) -> None:
@@ -306,13 +308,13 @@ def _check_tensor(c: _Checker, t: Any, path: str, model: dict | None) -> None:
     if c.str(name, f"{path}.name"):
         role, layer = spec.split_name(name)
         if t.get("role") != role:
-            c.r.add(f"{path}.role", f"expected {role!r} for tensor {name!r}, got {_short(t.get('role'))}")
+            c.r.add(f"{path}.role", f"expected {shown(role)} for tensor {shown(name)}, got {_short(t.get('role'))}")
         elif role not in spec.ROLES:
-            c.r.add(f"{path}.role", f"unknown role {role!r}")
+            c.r.add(f"{path}.role", f"unknown role {shown(role)}")
         got_layer = t.get("layer")
         # `layer` is a JSON integer or null: 1.0 or true must not pass for 1.
         if got_layer != layer or not (got_layer is None or _is_int(got_layer)):
-            c.r.add(f"{path}.layer", f"expected {json.dumps(layer)} for tensor {name!r}, got {_short(t.get('layer'))}")
+            c.r.add(f"{path}.layer", f"expected {json.dumps(layer)} for tensor {shown(name)}, got {_short(t.get('layer'))}")
     src = t.get("source")
     if c.list(src, f"{path}.source"):
         for i, s in enumerate(src):
@@ -400,10 +402,10 @@ def _check_pages(c: _Checker, m: dict) -> None:
             continue
         pid = pg.get("id")
         if c.str(pid, f"{path}.id") and not spec.ID_PATTERN.fullmatch(pid):
-            c.r.add(f"{path}.id", f"{pid!r} must be 1-255 characters of [A-Za-z0-9._#:/-]")
+            c.r.add(f"{path}.id", f"{shown(pid)} must be 1-255 characters of [A-Za-z0-9._#:/-]")
         if isinstance(pid, str):
             if pid in seen:
-                c.r.add(f"{path}.id", f"duplicate page id {pid!r}")
+                c.r.add(f"{path}.id", f"duplicate page id {shown(pid)}")
             seen.add(pid)
         size_ok = c.int(pg.get("size"), f"{path}.size", lo=1)
         cs = pg.get("checksum")
@@ -419,7 +421,7 @@ def _check_pages(c: _Checker, m: dict) -> None:
             continue
         want_kind, want_id, owner = owners[i]
         if pid != want_id or kind != want_kind or pg.get(kind) != owner.get("name"):
-            c.r.add(path, f"expected page {want_id!r} of {want_kind} {owner.get('name')!r} here (decode order), "
+            c.r.add(path, f"expected page {shown(want_id)} of {want_kind} {shown(owner.get('name'))} here (decode order), "
                           f"got {_short(pid)} of {kind} {_short(pg.get(kind))}")
             continue
         if not isinstance(owner.get("name"), str):
@@ -433,20 +435,20 @@ def _check_pages(c: _Checker, m: dict) -> None:
         _check_tensor_page(c, pg, path, owner, row_cursor, size_ok)
     if len(pages) < len(owners):
         for _, pid, owner in owners[len(pages):]:
-            c.r.add("pages", f"page {pid!r} of {owner.get('name')!r} is not listed")
+            c.r.add("pages", f"page {shown(pid)} of {shown(owner.get('name'))} is not listed")
     if not pages:
         c.r.add("pages", "an archive has at least one page")
     for t in tensors:
         shape, name = t.get("shape"), t.get("name")
         if isinstance(name, str) and name in row_cursor and _shape_ok(shape) and \
                 row_cursor[name] != spec.rows_and_cols(shape)[0]:
-            c.r.add(f"tensor {name}", f"pages cover rows [0, {row_cursor[name]}), "
+            c.r.add(f"tensor {name[:80]}", f"pages cover rows [0, {row_cursor[name]}), "
                                       f"expected [0, {spec.rows_and_cols(shape)[0]})")
     for a in assets:
         if isinstance(a.get("name"), str) and (a["name"] in asset_bytes or a.get("pages") == []):
             got = asset_bytes.get(a.get("name"), 0)
             if _is_int(a.get("size")) and got != a["size"]:
-                c.r.add(f"asset {a.get('name')}", f"pages hold {got} bytes, size says {a['size']}")
+                c.r.add(f"asset {a['name'][:80]}", f"pages hold {got} bytes, size says {a['size']}")
 
 
 def _check_tensor_page(c: _Checker, pg: dict, path: str, t: dict, row_cursor: dict, size_ok: bool) -> None:
@@ -469,7 +471,7 @@ def _check_tensor_page(c: _Checker, pg: dict, path: str, t: dict, row_cursor: di
         return
     n_rows, cols = spec.rows_and_cols(shape)
     if end > n_rows:
-        c.r.add(f"{path}.rows", f"end {end} is past dim 0 = {n_rows} of {name!r}")
+        c.r.add(f"{path}.rows", f"end {end} is past dim 0 = {n_rows} of {shown(name)}")
         return
     if len(shape) == 3 and start // shape[1] != (end - 1) // shape[1]:
         c.r.add(f"{path}.rows", f"{rows} straddles experts {start // shape[1]} and {(end - 1) // shape[1]} "
@@ -558,10 +560,9 @@ def validate_manifest(m: Any) -> ValidationReport:
             _check_tensor(c, t, f"tensors[{i}]", model)
         got = [t.get("name") for t in tensors if isinstance(t, dict)]
         names = {n for n in got if isinstance(n, str)}
-        if len(names) != len(got):
-            dup = sorted({n for n in got if isinstance(n, str) and got.count(n) > 1})
-            if dup:
-                report.add("tensors", f"duplicate tensor names: {', '.join(dup)}")
+        dup = sorted(n for n, k in Counter(n for n in got if isinstance(n, str)).items() if k > 1)
+        if dup:
+            report.add("tensors", f"duplicate tensor names: {listed(dup)}")
         if model is not None:
             _check_tensor_set(c, got, model)
 
@@ -580,15 +581,20 @@ def validate_manifest(m: Any) -> ValidationReport:
 
 
 def _check_tensor_set(c: _Checker, got: list, model: dict) -> None:
+    if model["num_layers"] > len(got):  # each layer has tensors: refused before naming them per layer
+        c.r.add("model.num_layers", f"is {model['num_layers']}, but the manifest lists only {len(got)} tensors")
+        return
     want = spec.tensor_names(model)
     if got == want:
         return
-    missing = [n for n in want if n not in got]
-    extra = [n for n in got if n not in want]
+    got_set, want_set = set(map(str, got)), set(want)  # sets: a manifest may list ~10^5 tensors
+    missing = [n for n in want if n not in got_set]
+    extra = [n for n in got if str(n) not in want_set]
     if missing:
-        c.r.add("tensors", f"missing for this model's flags: {', '.join(missing[:8])}{' …' * (len(missing) > 8)}")
+        c.r.add("tensors", f"missing for this model's flags: {listed(missing, 4)}")
     if extra:
-        c.r.add("tensors", f"not expected for this model's flags: {', '.join(map(str, extra[:8]))}{' …' * (len(extra) > 8)}")
+        c.r.add("tensors", f"not expected for this model's flags: {listed(extra, 4)}")
     if not missing and not extra:
-        first = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
-        c.r.add(f"tensors[{first}]", f"out of decode order: expected {want[first]!r}, got {got[first]!r}")
+        first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)  # None: a duplicate
+        c.r.add(f"tensors[{first}]", f"out of decode order: expected {want[first]!r}, got {_short(got[first])}") \
+            if first is not None else c.r.add("tensors", f"lists {len(got)} tensors, this model has {len(want)}")

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Callable
 
 import blake3
 
-from thinconv.errors import ThinError, ThinFormatError
+from thinconv.errors import ThinError, ThinFormatError, shown
 from thinconv.format import dtypes, spec
 from thinconv.format.manifest import parse_manifest, validate_manifest
 from thinconv.memory import drop_resident
@@ -195,7 +195,7 @@ class Archive:
             raise self._fail(f"manifest lists {len(declared)} pages, the page table {len(self.pages)}")
         for d, rec in zip(declared, self.pages):
             if d["id"] != rec.id:
-                raise self._fail(f"page-table record at offset {rec.record_offset} is {rec.id!r}, manifest says {d['id']!r}")
+                raise self._fail(f"page-table record at offset {rec.record_offset} is {rec.id!r}, manifest says {shown(d['id'])}")
             if d["size"] != rec.size:
                 raise self._fail(f"page {rec.id!r}: page table says {rec.size} bytes, manifest {d['size']}")
             if d["checksum"] != rec.checksum.hex():

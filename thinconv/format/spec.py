@@ -45,6 +45,10 @@ ASSET_NAMES = (
     "chat_template.jinja",
 )
 
+# thinconv embeds no source file larger than this (a converter limit, FORMAT.md §2.6); assets are
+# copied in bounded chunks whatever their size or the page size.
+MAX_ASSET_SIZE = 2 * 1024**3
+
 PLACEMENTS = ("host", "device")
 ACCESSES = ("gather", "matmul", "elementwise")
 
