@@ -160,6 +160,9 @@ def test_transformed_weights_are_judged_as_rounded_not_exact(mistral, work):
     code, d = check(out, "--against", src, "--recipes", folder)
     assert code == 0 and d["dtype_class"] == "float", d
     assert d["max_rel_diff"] > 1e-6  # really rounded: an exact bound would be a coin toss
+    # transformers cannot be given values a transform changed: the check says it judged fidelity alone
+    assert d["semantics"] is None
+    assert any("semantics not compared" in n and "fold_and_unfold" in n for n in d["notes"]), d["notes"]
 
 
 def test_a_transforms_file_is_loaded_only_from_named_folders(work):
@@ -191,3 +194,38 @@ def test_transformers_failures_are_one_line(mistral, work, monkeypatch):
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "transformers cannot load this checkpoint (ValueError: sliding_window must be set" \
         in lines[0] and "Traceback" not in r.output
+
+
+@pytest.fixture(scope="module")
+def yarn(work) -> tuple[Path, Path]:
+    """A Llama checkpoint with YaRN RoPE (attention factor 0.1·ln 4 + 1 ≈ 1.139) and its archive."""
+    from transformers import LlamaConfig
+
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      rope_parameters=rope, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1)
+    src = build(cfg, work / "yarn", seed=5)
+    return src, _convert(src, work / "yarn.thin")
+
+
+def test_a_lie_on_the_yarn_attention_factor_fails(yarn, work):
+    """rope.attention_factor multiplies cos and sin (both paths of the decoder read it: tests/test_decoder.py::
+    test_yarn_attention_factor_matters_in_both_paths); an archive claiming 1 fails against the source
+    (named, and in the logits) and against its probe."""
+    src, archive = yarn
+    with open_archive(archive) as a:
+        factor = a.model["rope"]["attention_factor"]
+    assert factor == pytest.approx(0.1 * np.log(4.0) + 1)
+    code, d = check(archive, "--against", src)
+    assert code == 0 and d["dtype_class"] == "exact" and d["max_rel_diff"] <= 1e-5
+
+    def unit_factor(m: dict) -> None:
+        m["model"]["rope"]["attention_factor"] = 1.0
+
+    lie = rewrite(archive, work / "yarn-factor-1.thin", unit_factor)
+    code, d = check(lie, "--against", src)
+    assert code == 1 and f"model.rope.attention_factor: archive 1.0, source {factor!r}" in d["model_differences"]
+    assert d["max_rel_diff"] > 1e-2
+    code, d = check(lie)
+    assert code == 1 and d["max_rel_diff"] > 1e-2

@@ -65,10 +65,16 @@ def check(archive: Path = typer.Argument(..., metavar="ARCHIVE", help="A .thin a
     if result.model_compared:
         verdict = "differs" if result.model_differences else "matches"
         out.print(f"model section {verdict} the one the source's config implies")
+    if result.semantics is not None:
+        sem = result.semantics.summary()
+        out.print(f"semantics ({result.semantics.reference} vs the reference decoder, exact bound): max |Δlogit| "
+                  f"{sem['max_abs_diff']:.3g} (rel {sem['max_rel_diff']:.3g}), top-1 {100 * sem['top1_agreement']:.1f} %"
+                  f" — {'PASS' if result.semantics.ok else 'FAIL'}")
     if result.positions:
         how = " (computed layer by layer: the model exceeds the decode memory budget)" if result.engine == "prefill" \
             else ""
-        table = Table(title=f"{archive}: {result.dtype_class} archive vs {result.reference}{how}",
+        what = "fidelity: " if result.semantics is not None else ""
+        table = Table(title=f"{what}{archive}: {result.dtype_class} archive vs {result.reference}{how}",
                       title_justify="left")
         for col in ("pos", "max |Δlogit|", "rel", "top-1", "KL"):
             table.add_column(col, justify="right")
@@ -84,7 +90,8 @@ def check(archive: Path = typer.Argument(..., metavar="ARCHIVE", help="A .thin a
     if result.ok and not result.thresholds:
         out.print(f"{result.dtype_class}: reported only (use --strict to apply a bound)")
     elif result.ok:
-        out.print(f"[bold green]PASS[/] within the {result.dtype_class} bounds "
+        both = "semantics within the exact bound, fidelity " if result.semantics is not None else ""
+        out.print(f"[bold green]PASS[/] {both}within the {result.dtype_class} bounds "
                   f"({', '.join(f'{k} {v:g}' for k, v in result.thresholds.items())})", markup=True)
     else:
         for f in result.failures:
