@@ -229,3 +229,28 @@ def test_a_lie_on_the_yarn_attention_factor_fails(yarn, work):
     assert d["max_rel_diff"] > 1e-2
     code, d = check(lie)
     assert code == 1 and d["max_rel_diff"] > 1e-2
+
+
+def _bound(x: float) -> tuple[str, str]:
+    mantissa, exponent = f"{x:.0e}".split("e")
+    return f"{mantissa}e{int(exponent)}", f"{x:g}"
+
+
+def test_help_and_format_say_what_check_proves_and_what_not():
+    """check --help and FORMAT.md's last section state the bounds and the cap the code applies, and
+    what check does not prove."""
+    from thinconv.check import CHECK_CAP, THRESHOLDS
+
+    r = runner.invoke(app, ["check", "--help"], env={"COLUMNS": "120"})
+    assert r.exit_code == 0
+    help_text = " ".join(r.stdout.split())
+    section = (Path(__file__).resolve().parents[1] / "FORMAT.md").read_text(encoding="utf-8").split("\n## ")[-1]
+    assert section.startswith("5. What `thinconv check` proves")
+    section = " ".join(section.split())
+    for text in (help_text, section):
+        assert "not prove" in text and "semantics" in text and "fidelity" in text and str(CHECK_CAP) in text
+        for limits in THRESHOLDS.values():
+            for value in limits.values():
+                if value != 1.0:  # top-1 agreement: "100 %"
+                    assert any(f"≤ {b}" in text for b in _bound(value)), (value, text[:200])
+        assert "top-1 100 %" in text

@@ -34,8 +34,24 @@ def check(archive: Path = typer.Argument(..., metavar="ARCHIVE", help="A .thin a
           recipes: list[Path] = typer.Option([], "--recipes", metavar="DIR", help="Extra recipe folder "
                                              "(repeatable): the archive's recipe, when it is not built in."),
           as_json: bool = JSON) -> None:
-    """Prove the archive computes what the source computes: per-position logit differences,
-    top-1 agreement and KL, judged against bounds for the archive's dtype class."""
+    """Prove that an archive computes what its source computes, on one token sequence.
+
+    Proves, with --against SRC: the archive's model section is the one thinconv derives from SRC's
+    config.json (every key, before decoding); and the reference decoder on the archive matches
+    transformers on SRC at every position of a sequence long enough for each sliding window and
+    RoPE switch (up to 256 positions), within the bounds of what the converter did to the weights:
+    exact copies max rel diff ≤ 1e-3 and top-1 100 %; casts and transforms rel ≤ 5e-2, mean KL ≤
+    1e-3; q8_0 mean KL ≤ 1e-2; q4 reported (--strict: ≤ 0.1). A lossy archive is compared twice:
+    semantics, transformers on the archive's own dequantized weights, to the exact bound; fidelity,
+    against the source's weights, to the lossy bounds. Without --against: the logits match the probe
+    stored at conversion (top 8 logits of 8 positions, from the source weights).
+
+    Does not prove: the same on other sequences, or past the positions decoded (the notes name any
+    window or switch not reached); the absence of a difference smaller than the bound; without
+    --against, the model section (compared only when the archive's hub source is in the local
+    cache) and what 8 probe positions cannot show (special tokens, names, a window or switch beyond
+    them); the semantics of weights a recipe transform changed (fidelity only); that other runtimes
+    read the archive right; the bytes' integrity (thinconv verify)."""
     from thinconv.check import archive_tokenizer, parse_tokens, run_check
     from thinconv.checkpoint.source import open_checkpoint
     from thinconv.format.reader import open_archive
