@@ -254,3 +254,42 @@ def test_help_and_format_say_what_check_proves_and_what_not():
                 if value != 1.0:  # top-1 agreement: "100 %"
                     assert any(f"≤ {b}" in text for b in _bound(value)), (value, text[:200])
         assert "top-1 100 %" in text
+
+
+def _one_line(r) -> str:
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.exit_code == 1 and len(lines) == 1 and "Traceback" not in r.output, r.output
+    return lines[0]
+
+
+def test_torch_failures_while_running_are_one_line(mistral, work, monkeypatch):
+    """Case 5, at run time: an exception from the model's forward is one line naming the source."""
+    from transformers import MistralForCausalLM
+
+    src, archive = mistral
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied (16x64 and 32x64)\n  deep in torch")
+
+    monkeypatch.setattr(MistralForCausalLM, "forward", broken)
+    line = _one_line(runner.invoke(app, ["check", str(archive), "--against", str(src)]))
+    assert f"{src}: transformers cannot run this checkpoint (RuntimeError: mat1 and mat2 shapes" in line
+
+
+def test_failures_on_the_archive_weights_are_one_line(mistral, work, monkeypatch):
+    """Semantics loads the source's config with the archive's weights: a failure there names both."""
+    import transformers
+
+    src, _ = mistral
+    q8 = _convert(src, work / "mistral-q8_0.thin", "--dtype", "q8_0")
+    original = transformers.AutoModelForCausalLM.from_pretrained
+
+    def picky(path, *args, **kwargs):
+        if "thinconv-check-" in str(path):
+            raise KeyError("model.layers.0.mlp.up_proj.weight\n  (a long transformers traceback)")
+        return original(path, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", picky)
+    line = _one_line(runner.invoke(app, ["check", str(q8), "--against", str(src)]))
+    assert f"{src} (config) with mistral-q8_0.thin's weights: transformers cannot load this checkpoint (KeyError" \
+        in line

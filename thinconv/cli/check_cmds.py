@@ -77,7 +77,13 @@ def check(archive: Path = typer.Argument(..., metavar="ARCHIVE", help="A .thin a
             result = run_check(a, ids, None, steps=steps, strict_q4=strict, registry=registry)
     if as_json:
         print_json(result.to_json())
-        raise typer.Exit(0 if result.ok else 1)
+    else:
+        _print_result(archive, result)
+    raise typer.Exit(0 if result.ok else 1)
+
+
+def _print_result(archive: Path, result) -> None:
+    """The text report: the model comparison, semantics, the fidelity table, notes, the verdict."""
     if result.model_compared:
         verdict = "differs" if result.model_differences else "matches"
         out.print(f"model section {verdict} the one the source's config implies")
@@ -112,7 +118,6 @@ def check(archive: Path = typer.Argument(..., metavar="ARCHIVE", help="A .thin a
     else:
         for f in result.failures:
             err.print(f"[bold red]FAIL[/] {escape(f)}", markup=True)
-    raise typer.Exit(0 if result.ok else 1)
 
 
 @app.command(epilog=examples("thinconv run tiny.thin --prompt 'Once upon a time'",
