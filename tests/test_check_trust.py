@@ -293,3 +293,16 @@ def test_failures_on_the_archive_weights_are_one_line(mistral, work, monkeypatch
     line = _one_line(runner.invoke(app, ["check", str(q8), "--against", str(src)]))
     assert f"{src} (config) with mistral-q8_0.thin's weights: transformers cannot load this checkpoint (KeyError" \
         in line
+
+
+def test_every_rope_scaling_the_converter_accepts_is_decoded():
+    """Case 4: every RoPE scaling a source may have (the types the converter reads) is one the
+    reference decoder computes — statically or per sequence length (dynamic, longrope) — so every
+    archive has a probe and can be checked; none needs a conversion-time warning."""
+    from thinconv import modelmeta
+    from thinconv.format import spec
+    from thinconv.rope import DYNAMIC_SCALING_TYPES
+
+    accepted = {None if t == "default" else t for t in modelmeta._ROPE_KEYS}
+    assert {"dynamic", "longrope", "yarn", "llama3", "linear", None} <= accepted
+    assert accepted <= set(spec.STATIC_ROPE_SCALINGS) | DYNAMIC_SCALING_TYPES
