@@ -44,7 +44,8 @@ WINDOW = 4  # Mistral's sliding window; the default check sequence must be longe
 VARIANTS = {"bf16": [], "interleaved": ["--rope-layout", "interleaved"], "q8_0": ["--dtype", "q8_0"],
             "noprobe": ["--no-probe"], "f16": ["--dtype", "f16"], "f32": ["--dtype", "f32"], "q4_0": ["--dtype", "q4_0"]}
 JSON_KEYS = {"dtype_class", "reference", "engine", "positions", "max_abs_diff", "max_rel_diff", "top1_agreement", "mean_kl",
-             "max_kl", "ok", "thresholds", "failures", "per_position", "model_compared", "model_differences", "notes"}
+             "max_kl", "ok", "thresholds", "failures", "per_position", "model_compared", "model_differences", "notes",
+             "semantics"}
 runner = CliRunner()
 
 
@@ -149,6 +150,8 @@ FIGURES: list[str] = []
 def _record(kind: str, variant: str, ref: str, d: dict) -> None:
     FIGURES.append(f"{kind:8s} {variant:12s} vs {ref:12s} rel {d['max_rel_diff']:.3g}  abs {d['max_abs_diff']:.3g}  "
                    f"top1 {d['top1_agreement']:.4f}  mean KL {d['mean_kl']:.3g}  max KL {d['max_kl']:.3g}")
+    if d.get("semantics"):
+        _record(kind, variant, "semantics", d["semantics"])
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -172,8 +175,12 @@ def test_check_against_transformers_passes(kind, variant, archive, sources):
         assert d["dtype_class"] == "q8_0"
         assert d["thresholds"] == THRESHOLDS["q8_0"]
         assert 0 < d["mean_kl"] <= THRESHOLDS["q8_0"]["mean_kl"]  # > 0: the weights really are quantized
+        # semantics: the archive's own weights under transformers — float32 rounding only
+        sem = d["semantics"]
+        assert sem["ok"] and sem["thresholds"] == THRESHOLDS["exact"] and sem["positions"] == d["positions"]
+        assert sem["top1_agreement"] == 1.0 and sem["max_rel_diff"] <= 1e-4
     else:  # bf16 source, bf16 archive: bit-identical weights, so only float32 rounding differs
-        assert d["dtype_class"] == "exact"
+        assert d["dtype_class"] == "exact" and d["semantics"] is None
         assert d["top1_agreement"] == 1.0
         assert d["max_rel_diff"] <= 1e-4  # well inside the 1e-3 bound (observed ≈ 1e-6)
 
@@ -197,6 +204,10 @@ def test_float_classes(variant, cls, archive, sources):
     code, d = check(archive("llama3", variant), "--against", sources["llama3"])
     _record("llama3", variant, "transformers", d)
     assert code == 0 and d["dtype_class"] == cls and d["thresholds"] == THRESHOLDS[cls]
+    if cls == "float":  # a cast is lossy: its semantics are compared on its own (f16) weights
+        assert d["semantics"]["ok"] and d["semantics"]["max_rel_diff"] <= 1e-4
+    else:
+        assert d["semantics"] is None
     code, d = check(archive("llama3", variant))
     assert code == 0 and d["dtype_class"] == cls
 
@@ -208,6 +219,8 @@ def test_q4_is_reported_only_unless_strict(archive, sources):
     code, d = check(a, "--against", src)
     _record("qwen2", "q4_0", "transformers", d)
     assert code == 0 and d["dtype_class"] == "q4" and d["thresholds"] == {} and d["mean_kl"] > 0
+    # far from the source (fidelity), yet exactly what its own weights compute (semantics)
+    assert d["semantics"]["ok"] and d["semantics"]["top1_agreement"] == 1.0 and d["semantics"]["max_rel_diff"] <= 1e-4
     code, d = check(a, "--against", src, "--strict")
     assert d["thresholds"] == THRESHOLDS["q4"] and code == (0 if d["mean_kl"] <= THRESHOLDS["q4"]["mean_kl"] else 1)
 

@@ -160,6 +160,9 @@ def test_transformed_weights_are_judged_as_rounded_not_exact(mistral, work):
     code, d = check(out, "--against", src, "--recipes", folder)
     assert code == 0 and d["dtype_class"] == "float", d
     assert d["max_rel_diff"] > 1e-6  # really rounded: an exact bound would be a coin toss
+    # transformers cannot be given values a transform changed: the check says it judged fidelity alone
+    assert d["semantics"] is None
+    assert any("semantics not compared" in n and "fold_and_unfold" in n for n in d["notes"]), d["notes"]
 
 
 def test_a_transforms_file_is_loaded_only_from_named_folders(work):
@@ -191,3 +194,115 @@ def test_transformers_failures_are_one_line(mistral, work, monkeypatch):
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "transformers cannot load this checkpoint (ValueError: sliding_window must be set" \
         in lines[0] and "Traceback" not in r.output
+
+
+@pytest.fixture(scope="module")
+def yarn(work) -> tuple[Path, Path]:
+    """A Llama checkpoint with YaRN RoPE (attention factor 0.1·ln 4 + 1 ≈ 1.139) and its archive."""
+    from transformers import LlamaConfig
+
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      rope_parameters=rope, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1)
+    src = build(cfg, work / "yarn", seed=5)
+    return src, _convert(src, work / "yarn.thin")
+
+
+def test_a_lie_on_the_yarn_attention_factor_fails(yarn, work):
+    """rope.attention_factor multiplies cos and sin (both paths of the decoder read it: tests/test_decoder.py::
+    test_yarn_attention_factor_matters_in_both_paths); an archive claiming 1 fails against the source
+    (named, and in the logits) and against its probe."""
+    src, archive = yarn
+    with open_archive(archive) as a:
+        factor = a.model["rope"]["attention_factor"]
+    assert factor == pytest.approx(0.1 * np.log(4.0) + 1)
+    code, d = check(archive, "--against", src)
+    assert code == 0 and d["dtype_class"] == "exact" and d["max_rel_diff"] <= 1e-5
+
+    def unit_factor(m: dict) -> None:
+        m["model"]["rope"]["attention_factor"] = 1.0
+
+    lie = rewrite(archive, work / "yarn-factor-1.thin", unit_factor)
+    code, d = check(lie, "--against", src)
+    assert code == 1 and f"model.rope.attention_factor: archive 1.0, source {factor!r}" in d["model_differences"]
+    assert d["max_rel_diff"] > 1e-2
+    code, d = check(lie)
+    assert code == 1 and d["max_rel_diff"] > 1e-2
+
+
+def _bound(x: float) -> tuple[str, str]:
+    mantissa, exponent = f"{x:.0e}".split("e")
+    return f"{mantissa}e{int(exponent)}", f"{x:g}"
+
+
+def test_help_and_format_say_what_check_proves_and_what_not():
+    """check --help and FORMAT.md's last section state the bounds and the cap the code applies, and
+    what check does not prove."""
+    from thinconv.check import CHECK_CAP, THRESHOLDS
+
+    r = runner.invoke(app, ["check", "--help"], env={"COLUMNS": "120"})
+    assert r.exit_code == 0
+    help_text = " ".join(r.stdout.split())
+    section = (Path(__file__).resolve().parents[1] / "FORMAT.md").read_text(encoding="utf-8").split("\n## ")[-1]
+    assert section.startswith("5. What `thinconv check` proves")
+    section = " ".join(section.split())
+    for text in (help_text, section):
+        assert "not prove" in text and "semantics" in text and "fidelity" in text and str(CHECK_CAP) in text
+        for limits in THRESHOLDS.values():
+            for value in limits.values():
+                if value != 1.0:  # top-1 agreement: "100 %"
+                    assert any(f"≤ {b}" in text for b in _bound(value)), (value, text[:200])
+        assert "top-1 100 %" in text
+
+
+def _one_line(r) -> str:
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.exit_code == 1 and len(lines) == 1 and "Traceback" not in r.output, r.output
+    return lines[0]
+
+
+def test_torch_failures_while_running_are_one_line(mistral, work, monkeypatch):
+    """Case 5, at run time: an exception from the model's forward is one line naming the source."""
+    from transformers import MistralForCausalLM
+
+    src, archive = mistral
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied (16x64 and 32x64)\n  deep in torch")
+
+    monkeypatch.setattr(MistralForCausalLM, "forward", broken)
+    line = _one_line(runner.invoke(app, ["check", str(archive), "--against", str(src)]))
+    assert f"{src}: transformers cannot run this checkpoint (RuntimeError: mat1 and mat2 shapes" in line
+
+
+def test_failures_on_the_archive_weights_are_one_line(mistral, work, monkeypatch):
+    """Semantics loads the source's config with the archive's weights: a failure there names both."""
+    import transformers
+
+    src, _ = mistral
+    q8 = _convert(src, work / "mistral-q8_0.thin", "--dtype", "q8_0")
+    original = transformers.AutoModelForCausalLM.from_pretrained
+
+    def picky(path, *args, **kwargs):
+        if "thinconv-check-" in str(path):
+            raise KeyError("model.layers.0.mlp.up_proj.weight\n  (a long transformers traceback)")
+        return original(path, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", picky)
+    line = _one_line(runner.invoke(app, ["check", str(q8), "--against", str(src)]))
+    assert f"{src} (config) with mistral-q8_0.thin's weights: transformers cannot load this checkpoint (KeyError" \
+        in line
+
+
+def test_every_rope_scaling_the_converter_accepts_is_decoded():
+    """Case 4: every RoPE scaling a source may have (the types the converter reads) is one the
+    reference decoder computes — statically or per sequence length (dynamic, longrope) — so every
+    archive has a probe and can be checked; none needs a conversion-time warning."""
+    from thinconv import modelmeta
+    from thinconv.format import spec
+    from thinconv.rope import DYNAMIC_SCALING_TYPES
+
+    accepted = {None if t == "default" else t for t in modelmeta._ROPE_KEYS}
+    assert {"dynamic", "longrope", "yarn", "llama3", "linear", None} <= accepted
+    assert accepted <= set(spec.STATIC_ROPE_SCALINGS) | DYNAMIC_SCALING_TYPES

@@ -468,6 +468,9 @@ def test_sequence_dependent_rope_acts_past_its_switch(name: str) -> None:
 def test_yarn_attention_factor_matters_in_both_paths() -> None:
     """The factor on cos and sin (0.1·ln 4 + 1 here): dropping it must show, token by token and streamed."""
     _, m, tensors, tokens, ref = built("llama-yarn")
+    assert m["rope"]["attention_factor"] > 1.1
+    dec = Decoder(DictProvider(m, tensors))  # token by token, each position its own pass
+    assert rel_err(np.stack([dec.step(t) for t in tokens]), ref) <= REL_TOL
     lie = with_(m, rope={"attention_factor": 1.0})
     assert rel_err(decode(lie, tensors, tokens), ref) > FAR
     assert rel_err(prefill_logits(DictProvider(lie, tensors), tokens), ref) > FAR

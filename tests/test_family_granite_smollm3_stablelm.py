@@ -647,3 +647,33 @@ def test_head_tensors_missing_or_extra_are_reported(sources, tmp_path):
     d = json.loads(r.stdout)
     assert d["missing"] == ["blk.1.attn_q_norm.weight (from model.layers.1.self_attn.q_layernorm.norms.3.weight)"]
     assert any("model.layers.0.self_attn.k_layernorm.norms.2.weight" in p for p in d["problems"])
+
+
+# ---------------------------------------------------------------- semantics of a quantized archive
+
+@pytest.mark.parametrize("dt", DTYPES)
+def test_q8_0_semantics_expose_what_quantization_noise_hides(dt, archive, sources, work):
+    """Issue 14, case 2: a SmolLM3 archive that ignores its NoPE layers (model.rope.layers removed:
+    RoPE everywhere) differs from its source by little more than q8_0 noise. check --against now also
+    runs transformers on the archive's own dequantized weights and holds the reference decoder to
+    the exact bound there: the honest q8_0 archive passes both comparisons, the lie fails semantics."""
+    src = sources["smollm3", dt]
+    honest = archive("smollm3", dt, "--dtype", "q8_0")
+    code, d = check(honest, "--against", src)
+    _record(f"smollm3 {dt} → q8_0 fidelity", "transformers", d)
+    _record(f"smollm3 {dt} → q8_0 semantics", "transformers", {**d["semantics"], "dtype_class": "exact"})
+    assert code == 0 and d["ok"] and d["dtype_class"] == "q8_0" and 0 < d["mean_kl"] <= 1e-2
+    assert d["semantics"]["ok"] and d["semantics"]["max_rel_diff"] <= 1e-4
+    bad = lie(honest, work / f"lie-smollm3-{dt}-q8_0-rope.layers.thin", _rope_everywhere)
+    assert runner.invoke(app, ["verify", str(bad)]).exit_code == 0
+    code, d = check(bad, "--against", src)
+    _record(f"LIE smollm3 {dt} q8_0 rope.layers fidelity", "transformers", d)
+    _record(f"LIE smollm3 {dt} q8_0 rope.layers semantics", "transformers", {**d["semantics"], "dtype_class": "exact"})
+    assert code == 1 and not d["ok"]
+    # fidelity alone passes it (mean KL ≈ 0.007 ≤ 0.01): the noise hides the error …
+    assert d["mean_kl"] <= 1e-2 and not any(f.startswith("mean_kl") for f in d["failures"])
+    sem = d["semantics"]  # … semantics does not
+    assert not sem["ok"] and sem["max_rel_diff"] > 1e-2  # far outside the exact bound, not marginal
+    assert any(f.startswith("semantics: max_rel_diff") for f in d["failures"])
+    r = runner.invoke(app, ["check", str(bad), "--against", str(src)])
+    assert r.exit_code == 1 and "semantics (" in r.stdout and "FAIL semantics: max_rel_diff" in r.stderr

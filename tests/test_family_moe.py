@@ -155,7 +155,9 @@ def _same_source_same_logits():
     original = thinconv.check.transformers_logits
     cache: dict = {}
 
-    def cached(source_root, tokens, vocab=None):
+    def cached(source_root, tokens, vocab=None, **kwargs):
+        if kwargs:  # the archive's own weights in a temporary folder (semantics): nothing to reuse
+            return original(source_root, tokens, vocab, **kwargs)
         key = (str(source_root), tuple(tokens), vocab)
         if key not in cache:
             cache[key] = original(source_root, tokens, vocab)
@@ -277,19 +279,24 @@ def test_check_against_transformers_exact(archive, sources, family, variant):
     assert code == 0 and res["ok"] and res["reference"] == "probe", res["failures"]
 
 
+@pytest.mark.parametrize("variant", ["f32", "f32_fused"])  # experts per tensor, and fused (export re-fuses them)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_q8_0_within_bounds(archive, sources, family):
-    path = archive(family, "f32", "--dtype", "q8_0")
+def test_q8_0_within_bounds(archive, sources, family, variant):
+    path = archive(family, variant, "--dtype", "q8_0")
     thin = Thin.read(path)
     for t in thin.manifest["tensors"]:
         if t["role"] in EXPERT_ROLES:
             assert t["dtype"] == "q8_0", t["name"]
         if t["role"].startswith("ffn_gate_inp"):
             assert t["dtype"] == "f32", t["name"]  # routers are never quantized
-    code, res = check(path, "--against", sources[family, "f32"])
+    code, res = check(path, "--against", sources[family, variant])
     assert code == 0 and res["dtype_class"] == "q8_0", res["failures"]
-    MEASURED[f"{family} q8_0 mean_kl"] = res["mean_kl"]
-    MEASURED[f"{family} q8_0 top1"] = res["top1_agreement"]
+    MEASURED[f"{family} {variant} q8_0 mean_kl"] = res["mean_kl"]
+    MEASURED[f"{family} {variant} q8_0 top1"] = res["top1_agreement"]
+    # semantics: transformers on the archive's own dequantized experts agrees to the exact bound
+    sem = res["semantics"]
+    assert sem["ok"] and sem["top1_agreement"] == 1.0 and sem["max_rel_diff"] <= 1e-4, sem["failures"]
+    MEASURED[f"{family} {variant} q8_0 semantics max_rel_diff"] = sem["max_rel_diff"]
     code, res = check(path)
     assert code == 0, res["failures"]
 

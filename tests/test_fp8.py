@@ -332,3 +332,22 @@ def _load_raw(folder: Path) -> dict[str, np.ndarray]:
         a, b = h["data_offsets"]
         out[name] = np.frombuffer(data[8 + n + a:8 + n + b], types[h["dtype"]]).reshape(h["shape"])
     return out
+
+
+def test_semantics_of_a_lossy_archive_of_an_fp8_source(divisible, work):
+    """A q8_0 archive of an FP8 source, against it: semantics loads the source's config without its
+    quantization_config (the archive's weights are plain floats) and agrees to the exact bound."""
+    import transformers.quantizers.quantizer_finegrained_fp8 as q
+
+    src, _ = divisible
+    out = work / "div-q8_0.thin"
+    convert(src, out, "--dtype", "q8_0")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(q, "is_accelerate_available", lambda: True)
+        r = runner.invoke(app, ["check", str(out), "--against", str(src), "--json"])
+    res = json.loads(r.stdout)
+    assert r.exit_code == 0 and res["ok"] and res["dtype_class"] == "q8_0", res
+    sem = res["semantics"]
+    assert sem["ok"] and sem["top1_agreement"] == 1.0 and sem["max_rel_diff"] < 1e-4
+    print(f"MEASURED fp8 → q8_0: semantics max_rel_diff {sem['max_rel_diff']:.3g}, fidelity mean KL "
+          f"{res['mean_kl']:.3g}")

@@ -1,19 +1,27 @@
 """Prove an archive computes what its source computes: the archive as reference-decoder weights,
-and logit comparisons (with transformers, or with the archive's probe) judged by dtype class."""
+and logit comparisons (with transformers, or with the archive's probe) judged by dtype class.
+
+A lossy archive (quantized, cast or transformed weights) is compared twice against a source:
+*semantics* — transformers running the source's config with the archive's own (dequantized)
+weights against the reference decoder on the archive, held to the exact bound whatever the
+quantization, so that a wrong `model` section cannot hide in quantization noise — and
+*fidelity* — the archive against the source's weights, held to the lossy bounds."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from thinconv.checkpoint.source import Checkpoint, open_checkpoint
 from thinconv.decoder import Decoder, prefill_logits
-from thinconv.errors import ConversionError, ThinError, UsageError
+from thinconv.errors import ConversionError, ExportError, ThinError, UsageError
 from thinconv.format import dtypes
 from thinconv.format.reader import Archive
 from thinconv.mapping import Entry, map_checkpoint
@@ -68,6 +76,9 @@ class CheckResult:
     model_differences: list[str] = field(default_factory=list)  # archive `model` vs the source's config
     model_compared: bool = False  # whether a source's config was available to compare with
     notes: list[str] = field(default_factory=list)  # what this check could not test, and why
+    # A lossy archive against a source: transformers on the archive's own weights vs the reference
+    # decoder, judged by the exact bound (None: not run — an exact archive, or no source; see notes).
+    semantics: CheckResult | None = None
 
     @property
     def ok(self) -> bool:
@@ -85,9 +96,14 @@ class CheckResult:
                 "mean_kl": sum(x.kl for x in p) / len(p), "max_kl": max(x.kl for x in p)}
 
     def to_json(self) -> dict:
+        semantics = None
+        if self.semantics is not None:
+            sem = self.semantics
+            semantics = {**sem.summary(), "ok": sem.ok, "thresholds": sem.thresholds, "failures": sem.failures,
+                         "per_position": [vars(x) for x in sem.positions]}
         return {**self.summary(), "ok": self.ok, "thresholds": self.thresholds, "failures": self.failures,
                 "model_compared": self.model_compared, "model_differences": self.model_differences,
-                "notes": self.notes, "per_position": [vars(x) for x in self.positions]}
+                "notes": self.notes, "semantics": semantics, "per_position": [vars(x) for x in self.positions]}
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
@@ -167,9 +183,11 @@ def judge(result: CheckResult, strict_q4: bool = False) -> CheckResult:
     return result
 
 
-def transformers_logits(source_root, tokens: list[int], vocab: int | None = None) -> np.ndarray:
+def transformers_logits(source_root, tokens: list[int], vocab: int | None = None, *, label: str | None = None
+                        ) -> np.ndarray:
     """The source model's logits under transformers (float32, CPU, eager attention); `vocab`, when
-    given, is the archive's vocabulary size, which the source must share."""
+    given, is the archive's vocabulary size, which the source must share. Errors name `label`
+    (default: the folder)."""
     try:  # optional dependencies (thinconv[check]), and heavy: imported only when asked for
         import torch
         from transformers import AutoModelForCausalLM
@@ -179,22 +197,45 @@ def transformers_logits(source_root, tokens: list[int], vocab: int | None = None
                          "pip install 'thinconv[check]'") from None
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
+    label = label or str(source_root)
     try:
         model = AutoModelForCausalLM.from_pretrained(str(source_root), dtype=torch.float32, attn_implementation="eager")
     except Exception as e:  # transformers raises anything (ValueError, KeyError, its own validation errors)
-        raise ConversionError(f"{source_root}: transformers cannot load this checkpoint ({_first_line(e)})") from None
+        raise ConversionError(f"{label}: transformers cannot load this checkpoint ({_first_line(e)})") from None
     model.eval()
     # Another model's checkpoint would fail deep inside torch (ids out of range) or in the comparison.
     rows = model.get_input_embeddings().num_embeddings
     if vocab is not None and rows != vocab:
-        raise ConversionError(f"{source_root}: the source has {rows} token embeddings but the archive's vocab_size is "
+        raise ConversionError(f"{label}: the source has {rows} token embeddings but the archive's vocab_size is "
                               f"{vocab}; is --against the archive's source?")
     try:
         with torch.no_grad():
             out = model(torch.tensor([tokens]), use_cache=False).logits[0]
     except Exception as e:
-        raise ConversionError(f"{source_root}: transformers cannot run this checkpoint ({_first_line(e)})") from None
+        raise ConversionError(f"{label}: transformers cannot run this checkpoint ({_first_line(e)})") from None
     return out.float().numpy()
+
+
+def archive_weights_logits(archive: Archive, source: Checkpoint, tokens: list[int],
+                           registry: Registry | None = None) -> np.ndarray:
+    """transformers' logits for the *source's* config.json with the *archive's* weights (dequantized,
+    under their source names, RoPE rows in the source's layout: `thinconv export --to safetensors`
+    into a temporary folder). ExportError when the weights cannot be given back (a recipe
+    transform changed them)."""
+    from thinconv.export.to_safetensors import export_safetensors
+
+    name = (archive.manifest["validation"].get("converter") or {}).get("recipe")
+    registry = registry if registry is not None else load_registry([])
+    recipe = registry.recipes.get(name) if isinstance(name, str) else None
+    if recipe is None:
+        raise ExportError(f"{archive.path.name} does not record a recipe available here ({name!r})")
+    config = {k: v for k, v in source.config.items() if k != "quantization_config"}  # the weights are dequantized
+    with tempfile.TemporaryDirectory(prefix="thinconv-check-") as tmp:
+        folder = Path(tmp) / "weights"
+        export_safetensors(archive, folder, recipe=recipe)
+        (folder / "config.json").write_text(json.dumps(config), encoding="utf-8")
+        return transformers_logits(folder, tokens, archive.model["vocab_size"],
+                                   label=f"{source.root} (config) with {archive.path.name}'s weights")
 
 
 def _first_line(e: BaseException) -> str:
@@ -363,9 +404,33 @@ def run_check(archive: Archive, tokens: list[int] | None = None, against: Checkp
     if against is not None:
         reference_logits = transformers_logits(against.root, tokens, archive.model["vocab_size"])
         result.positions = compare_logits(reference_logits, logits)
+        if result.dtype_class != "exact":
+            result.semantics = _semantics(archive, against, tokens, logits, registry, result)
     else:
         result.positions = compare_probe(probe, logits)
+        if result.dtype_class != "exact":
+            result.notes.append(f"a {result.dtype_class} archive against its probe: fidelity only; its semantics "
+                                f"(the exact bound on its own weights) are compared with --against SRC")
     return judge(result, strict_q4)
+
+
+SEMANTICS_REFERENCE = "transformers on the archive's weights"
+
+
+def _semantics(archive: Archive, source: Checkpoint, tokens: list[int], logits: np.ndarray,
+               registry: Registry | None, result: CheckResult) -> CheckResult | None:
+    """The reference decoder's `logits` against transformers running the source's config with the
+    archive's own weights: the same weights on both sides, so the exact bound applies whatever the
+    quantization. Its failures join `result`'s; None (with a note) when the weights cannot be given
+    to transformers."""
+    try:
+        hf = archive_weights_logits(archive, source, tokens, registry)
+    except ExportError as e:
+        result.notes.append(f"semantics not compared ({e}): the archive is judged by fidelity alone")
+        return None
+    sem = judge(CheckResult("exact", SEMANTICS_REFERENCE, compare_logits(hf, logits), engine=result.engine))
+    result.failures += [f"semantics: {f}" for f in sem.failures]
+    return sem
 
 
 def _cached_source(archive: Archive) -> Checkpoint | None:

@@ -264,20 +264,22 @@ def _generation_config(archive: Archive) -> bytes:
 
 def export_safetensors(archive: Archive | str | os.PathLike, dest: str | os.PathLike, *, dtype: str = "auto",
                        force: bool = False, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
-                       recipes: tuple[str | os.PathLike, ...] = (), progress: Progress | None = None) -> ExportResult:
+                       recipes: tuple[str | os.PathLike, ...] = (), progress: Progress | None = None,
+                       recipe: Recipe | None = None) -> ExportResult:
     """Write `archive` as a Hugging Face checkpoint folder at `dest` (see the module docstring).
-    `dest` must be absent or empty unless `force`; it is filled through a temp folder and renamed."""
+    `dest` must be absent or empty unless `force`; it is filled through a temp folder and renamed.
+    `recipe`, when given, is the archive's recipe already loaded (else found by name in `recipes`)."""
     if not isinstance(archive, Archive):
         with open_archive(archive) as a:
             return export_safetensors(a, dest, dtype=dtype, force=force, max_shard_size=max_shard_size,
-                                      recipes=recipes, progress=progress)
+                                      recipes=recipes, progress=progress, recipe=recipe)
     if dtype not in EXPORT_DTYPES:
         raise ExportError(f"--dtype {dtype!r}: expected one of {', '.join(EXPORT_DTYPES)}")
     if max_shard_size < 1:
         raise ExportError(f"--max-shard-size {max_shard_size}: expected a positive size")
     progress = progress or no_progress()
     dest = Path(dest)
-    recipe = archive_recipe(archive, recipes)
+    recipe = recipe if recipe is not None else archive_recipe(archive, recipes)
     check_untransformed(archive, recipe)
     source_layout = recipe.metadata.rope_source_layout
     sts = source_tensors(archive, recipe)
