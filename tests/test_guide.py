@@ -2,7 +2,8 @@
 wheel included), the error for an unknown architecture names where it is installed, and its Gemma 2
 walkthrough (§4) and config-key example (§5) run as written — the Python that builds the
 checkpoint, the draft and final recipes and every `$ thinconv …` command are taken from the guide
-itself, and every fragment of output it shows must appear in the real output."""
+itself, and every fragment of output it shows must appear in the real output. And README's family
+table lists every built-in recipe."""
 
 from __future__ import annotations
 
@@ -155,3 +156,14 @@ def test_the_gemma2_walkthrough_runs_as_written(tmp_path):
     assert built.returncode == 0, built.stderr
     with open_archive(tmp_path / "g2.thin") as mine, open_archive(tmp_path / "builtin.thin") as theirs:
         assert mine.manifest["model"] == {**theirs.manifest["model"], "architecture": "mygemma2"}
+
+
+def test_the_readme_family_table_lists_every_builtin_recipe():
+    """README's "Model families" table: one row per built-in recipe, with the architecture it handles."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = text[text.index("## Model families"):text.index("## Python API")]
+    rows = dict(re.findall(r"^\| `(\w+)` \| `(\w+)` \|", section, re.M))
+    builtin = {name: r.architectures for name, r in load_registry().recipes.items()}
+    assert set(rows) == set(builtin)
+    for name, arch in rows.items():
+        assert builtin[name] == (arch,), name
