@@ -167,3 +167,26 @@ def test_the_readme_family_table_lists_every_builtin_recipe():
     assert set(rows) == set(builtin)
     for name, arch in rows.items():
         assert builtin[name] == (arch,), name
+
+
+@pytest.mark.parametrize("norm_topk", [False, True])
+def test_the_routing_format_md_gives_is_the_decoders(norm_topk):
+    """FORMAT.md §2.3.7's routing (softmax over all experts, the k largest with ties to the lower
+    index, optional renormalisation), written out here, picks what thinconv's decoder picks —
+    exact ties included."""
+    import numpy as np
+
+    from thinconv import nn
+
+    rng = np.random.default_rng(3)
+    cases = [rng.standard_normal(8).astype(np.float32) for _ in range(50)]
+    cases += [np.array([0.5, 2.0, 2.0, -1.0, 2.0, 0.0], np.float32), np.zeros(5, np.float32)]  # exact ties
+    for logits in cases:
+        for k in (1, 2, 3):
+            z = np.exp(logits - logits.max())
+            p = z / z.sum()
+            chosen = sorted(range(len(p)), key=lambda e: (-p[e], e))[:k]
+            w = p[chosen] / p[chosen].sum() if norm_topk else p[chosen]
+            ids, weights = nn.route(logits, k, norm_topk)
+            assert list(ids) == chosen, (logits, k)
+            np.testing.assert_allclose(weights, w, rtol=1e-6)
