@@ -1,1 +1,1 @@
-"""Built-in recipes: one declarative TOML file per model family (see docs/adding-an-architecture.md)."""
+"""Built-in recipes: one declarative TOML file per model family (guide for recipe authors: adding-an-architecture.md, shipped beside them)."""

@@ -24,7 +24,7 @@ from thinconv.transforms import register_transform
 runner = CliRunner()
 BUILTIN = Path(__file__).resolve().parent.parent / "recipes"
 
-# The worked example of docs/adding-an-architecture.md §3, verbatim.
+# The worked example of recipes/adding-an-architecture.md §3, verbatim.
 ACME_TOML = '''\
 name = "acme"
 extends = "llama"
@@ -211,7 +211,7 @@ def test_user_recipe_copy_of_llama_via_recipes_dir(llama_copy: Ckpt, tmp_path):
 
 @pytest.mark.slow
 def test_acme_worked_example(acme, ckpts, tmp_path):
-    """docs/adding-an-architecture.md §3, step by step, with $THINCONV_RECIPES."""
+    """recipes/adding-an-architecture.md §3, step by step, with $THINCONV_RECIPES."""
     src, recipes, tensors = acme
     # 1. the closest recipe shows the gap
     r = runner.invoke(app, ["recipe", "check", "llama", str(src)])

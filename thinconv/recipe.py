@@ -43,9 +43,12 @@ HEAD_COUNTS = {"attn_q.weight": "num_attention_heads", "attn_q.bias": "num_atten
 RESERVED_NAMES = frozenset({"inspect", "verify", "pack", "unpack", "convert", "recipes", "recipe", "check", "run",
                             "batch", "export", "upload"})
 _INDEX_RE = r"(0|[1-9][0-9]*)"
+# The recipe author's guide ships beside the built-in recipes (package thinconv.builtin_recipes), so
+# an installed wheel has it; errors name its installed path (`guide_path`).
+GUIDE_NAME = "adding-an-architecture.md"
 _RECIPE_KEYS = {"name", "description", "extends", "architectures", "tensors", "ignore", "metadata",
                 "quantizable", "keep", "transforms", "model", "config"}
-# Tables that `extends` merges key by key (docs/adding-an-architecture.md); other keys replace.
+# Tables that `extends` merges key by key (the recipe guide, GUIDE_NAME); other keys replace.
 _TABLE_KEYS = ("tensors", "metadata", "keep", "transforms", "model")
 
 
@@ -352,7 +355,14 @@ class Registry:
         supported = sorted({a for r in self.recipes.values() for a in r.architectures})
         raise RecipeError(f"{where}: architecture {listed(archs, 2) or '(none)'} is not handled by any recipe "
                           f"(`thinconv recipes` lists the {len(supported)} supported); add one with --recipes DIR "
-                          f"or $THINCONV_RECIPES (docs/adding-an-architecture.md)")
+                          f"or $THINCONV_RECIPES (guide: {guide_path()})")
+
+
+def guide_path() -> str:
+    """Where the installed recipe guide is: a file path a user can open (the wheel installs the
+    package unpacked), or, from a zipped install, its resource name inside the package."""
+    resource = importlib.resources.files("thinconv.builtin_recipes") / GUIDE_NAME
+    return str(resource) if isinstance(resource, Path) else f"thinconv/builtin_recipes/{GUIDE_NAME} in the package"
 
 
 def recipe_dirs(extra: Iterable[str | os.PathLike] = ()) -> list[Path]:
