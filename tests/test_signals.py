@@ -17,22 +17,40 @@ import pytest
 
 from conftest import BIN, assert_one_line_error, make_llama
 
-pytestmark = pytest.mark.slow  # subprocesses converting a 130 MiB checkpoint
+pytestmark = pytest.mark.slow  # subprocesses converting a 420 MiB checkpoint
 
 OLD = b"the previous output, which an interrupted run must leave as it was"
 
 
 @pytest.fixture(scope="module")
 def big(tmp_path_factory) -> dict[str, Path]:
-    """The big checkpoint, its f32 archive and that archive's staging folder."""
+    """The big checkpoint (~420 MiB f32), its f32 archive and that archive's staging folder."""
     base = tmp_path_factory.mktemp("big")
-    src = make_llama(base / "src")
+    src = make_llama(base / "src", layers=32)
     archive = base / "big.thin"
     staging = base / "staging"
     for args in (["convert", src, archive, "--no-probe"], ["unpack", archive, staging]):
         r = subprocess.run([str(BIN), *map(str, args)], capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
     return {"src": src, "archive": archive, "staging": staging}
+
+
+CONVERT = ["--dtype", "q4_0", "--no-probe"]
+
+
+@pytest.fixture(scope="module")
+def convert_seconds(big, tmp_path_factory) -> float:
+    """How long an uninterrupted q4_0 conversion of the big checkpoint runs after the console script
+    installed its handlers: later moments are fractions of it, so that the signal lands while the
+    conversion runs on a fast machine as on a slow one."""
+    out = tmp_path_factory.mktemp("timed") / "out.thin"
+    proc = subprocess.Popen([str(BIN), "convert", str(big["src"]), str(out), *CONVERT],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    while not handler_installed(proc.pid, signal.SIGTERM) and proc.poll() is None:
+        time.sleep(0.0005)
+    start = time.monotonic()
+    assert proc.wait(timeout=120) == 0
+    return time.monotonic() - start
 
 
 def handler_installed(pid: int, sig: int) -> bool:
@@ -97,6 +115,22 @@ def temp_appeared(pattern: str, delay: float = 0.0):
     return when
 
 
+def has_open(path: Path):
+    """The moment the process has `path` open or mapped (verify is reading the archive)."""
+    target = str(Path(path).resolve())
+
+    def when(proc) -> bool:
+        try:
+            for fd in os.listdir(f"/proc/{proc.pid}/fd"):
+                if os.readlink(f"/proc/{proc.pid}/fd/{fd}") == target:
+                    return True
+            with open(f"/proc/{proc.pid}/maps") as f:
+                return any(line.rstrip("\n").endswith(target) for line in f)
+        except (FileNotFoundError, ProcessLookupError):
+            return False
+    return when
+
+
 def assert_stopped_cleanly(r: subprocess.CompletedProcess, sig: int, folder: Path, expected_files: list[str]) -> None:
     assert r.returncode == 128 + sig, (r.returncode, r.stderr)
     assert_one_line_error(r.stderr, f"interrupted by {signal.Signals(sig).name}")
@@ -108,14 +142,15 @@ IDS = ["SIGINT", "SIGTERM"]
 
 
 @pytest.mark.parametrize("sig", SIGNALS, ids=IDS)
-@pytest.mark.parametrize("delay", [0.0, 0.02, 0.1, 0.3, 0.6])
-def test_signal_during_startup_or_early_is_one_line(big, tmp_path, sig, delay):
+@pytest.mark.parametrize("moment", ["0 s", "0.02 s", "0.1 s", "T/3", "2T/3"])
+def test_signal_during_startup_or_early_is_one_line(big, convert_seconds, tmp_path, sig, moment):
     """From the console script's first statement on (0 s: typer, rich and numpy are still being
-    imported), a signal is one line and the exit code, never a traceback or an ImportError."""
+    imported) to two thirds of the conversion's run time T, a signal is one line and the exit code,
+    never a traceback or an ImportError."""
+    delay = float(moment[:-2]) if moment.endswith(" s") else convert_seconds * (2 if moment[0] == "2" else 1) / 3
     out = tmp_path / "out.thin"
     out.write_bytes(OLD)
-    r, stopped = run_and_signal(["convert", big["src"], out, "--dtype", "q4_0", "--force", "--no-probe"], sig,
-                                after_handler(delay))
+    r, stopped = run_and_signal(["convert", big["src"], out, *CONVERT, "--force"], sig, after_handler(delay))
     assert_stopped_cleanly(r, sig, tmp_path, ["out.thin"])
     assert out.read_bytes() == OLD
     print(f"\n[signal] {signal.Signals(sig).name} {delay:.2f} s after the handler: exit {r.returncode}, "
@@ -123,26 +158,28 @@ def test_signal_during_startup_or_early_is_one_line(big, tmp_path, sig, delay):
 
 
 @pytest.mark.parametrize("sig", SIGNALS, ids=IDS)
-@pytest.mark.parametrize("delay", [0.0, 0.15])
-def test_signal_mid_conversion_removes_the_temp_and_keeps_the_old_output(big, tmp_path, sig, delay):
+@pytest.mark.parametrize("fraction", [0.0, 0.25])
+def test_signal_mid_conversion_removes_the_temp_and_keeps_the_old_output(big, convert_seconds, tmp_path, sig,
+                                                                         fraction):
     out = tmp_path / "out.thin"
     out.write_bytes(OLD)
-    r, stopped = run_and_signal(["convert", big["src"], out, "--dtype", "q4_0", "--force", "--no-probe"], sig,
+    delay = fraction * convert_seconds
+    r, stopped = run_and_signal(["convert", big["src"], out, *CONVERT, "--force"], sig,
                                 temp_appeared(str(tmp_path / ".out.thin.*.tmp"), delay))
     assert_stopped_cleanly(r, sig, tmp_path, ["out.thin"])
     assert out.read_bytes() == OLD
     print(f"\n[signal] {signal.Signals(sig).name} {delay:.1f} s into the conversion: stopped in {stopped:.3f} s")
 
 
-def test_sigterm_mid_conversion_without_force_leaves_nothing(big, tmp_path):
-    r, _ = run_and_signal(["convert", big["src"], tmp_path / "new.thin", "--dtype", "q4_0", "--no-probe"],
-                          signal.SIGTERM, temp_appeared(str(tmp_path / ".new.thin.*.tmp"), 0.2))
+def test_sigterm_mid_conversion_without_force_leaves_nothing(big, convert_seconds, tmp_path):
+    r, _ = run_and_signal(["convert", big["src"], tmp_path / "new.thin", *CONVERT],
+                          signal.SIGTERM, temp_appeared(str(tmp_path / ".new.thin.*.tmp"), 0.2 * convert_seconds))
     assert_stopped_cleanly(r, signal.SIGTERM, tmp_path, [])
 
 
-def test_sigterm_under_json_is_the_json_error_object(big, tmp_path):
-    r, _ = run_and_signal(["convert", big["src"], tmp_path / "new.thin", "--dtype", "q4_0", "--no-probe", "--json"],
-                          signal.SIGTERM, temp_appeared(str(tmp_path / ".new.thin.*.tmp"), 0.2))
+def test_sigterm_under_json_is_the_json_error_object(big, convert_seconds, tmp_path):
+    r, _ = run_and_signal(["convert", big["src"], tmp_path / "new.thin", *CONVERT, "--json"],
+                          signal.SIGTERM, temp_appeared(str(tmp_path / ".new.thin.*.tmp"), 0.2 * convert_seconds))
     assert r.returncode == 143 and r.stderr == "", r.stderr
     assert json.loads(r.stdout) == {"error": {"message": "interrupted by SIGTERM (no partial output is left behind)",
                                               "kind": "interrupted", "exit_code": 143}}
@@ -168,7 +205,7 @@ def test_signal_mid_unpack(big, tmp_path, sig):
 
 @pytest.mark.parametrize("sig", SIGNALS, ids=IDS)
 def test_signal_during_verify(big, sig):
-    r, _ = run_and_signal(["verify", big["archive"]], sig, after_handler(0.3))
+    r, _ = run_and_signal(["verify", big["archive"]], sig, has_open(big["archive"]))
     assert r.returncode == 128 + sig, r.stderr
     assert_one_line_error(r.stderr, f"interrupted by {signal.Signals(sig).name}")
 
@@ -182,7 +219,7 @@ def test_a_second_signal_does_not_cut_the_clean_up_short(big, tmp_path):
             return False
         proc.send_signal(signal.SIGINT)
         return True
-    r, _ = run_and_signal(["convert", big["src"], out, "--dtype", "q4_0", "--no-probe"], signal.SIGTERM, twice)
+    r, _ = run_and_signal(["convert", big["src"], out, *CONVERT], signal.SIGTERM, twice)
     assert_stopped_cleanly(r, signal.SIGINT, tmp_path, [])
 
 
