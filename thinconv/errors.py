@@ -57,11 +57,16 @@ MAX_MESSAGE = 300  # characters a message is composed to stay within: lists show
 MAX_LINE = 500  # the CLI's last resort: a longer line is cut in the middle (a long path + a long message)
 
 
+def clipped(text: str, limit: int) -> str:
+    """`text` cut to `limit` characters, ending in "..." when cut."""
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def listed(items, limit: int = 3, sep: str = ", ", width: int | None = 80) -> str:
     """At most `limit` items joined by `sep`, then "and N more": lists in messages stay short
     however many problems (or names) there are. Items longer than `width` are cut (a name in a
     hostile file may be 5,000 characters); None keeps them whole (a list of messages)."""
-    items = [text if width is None or len(text) <= width else text[:width - 3] + "..." for text in map(str, items)]
+    items = [text if width is None else clipped(text, width) for text in map(str, items)]
     shown = sep.join(items[:limit])
     joiner = " " if sep.strip() == "," else sep
     return f"{shown}{joiner}and {len(items) - limit} more" if len(items) > limit else shown
@@ -80,5 +85,4 @@ def one_line(message: str, limit: int = MAX_MESSAGE) -> str:
 def shown(value, limit: int = 60) -> str:
     """A value as a message shows it: its repr, cut to `limit` characters (a config may hold a
     list of 3,000 items where a number belongs)."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    return clipped(repr(value), limit)

@@ -155,7 +155,7 @@ def apply(model: dict, config: RecordingConfig, rules: FamilyRules, *, recipe: s
     for key, tree in rules.require:
         names = {**model, "num_layers": model["num_layers"], "dtype": weights_dtype}
         if not expr.evaluate(tree, names, functions, f"recipe {recipe}: config.require.{key}"):
-            raise ConversionError(f"config.json: field {key!r} = {_short(config.get(key))}: recipe {recipe} cannot "
+            raise ConversionError(f"config.json: field {key!r} = {shown(config.get(key))}: recipe {recipe} cannot "
                                   f"convert this value (it requires {ast.unparse(tree)})")
     for path, tree in rules.model:
         names = {**model, "dtype": weights_dtype}
@@ -189,7 +189,3 @@ def unaccounted_keys(config: RecordingConfig, rules: FamilyRules, allowed: tuple
         out.append(key)
     return out
 
-
-def _short(v: Any) -> str:
-    s = repr(v)
-    return s if len(s) <= 60 else s[:57] + "..."

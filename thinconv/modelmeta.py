@@ -183,9 +183,9 @@ def config_keys_problem(config: Mapping[str, Any], keys: list[str], recipe: str)
     """The one-line refusal for config keys nothing accounts for (None when there are none)."""
     if not keys:
         return None
-    shown = ", ".join(f"{k!r} = {fam._short(config[k])}" for k in keys[:3])
+    values = ", ".join(f"{k!r} = {shown(config[k])}" for k in keys[:3])
     more = f" (and {len(keys) - 3} more)" if len(keys) > 3 else ""
-    return (f"config.json: {shown}{more}: not understood by recipe {recipe} and may change the computation; use a "
+    return (f"config.json: {values}{more}: not understood by recipe {recipe} and may change the computation; use a "
             f"recipe that handles {'it' if len(keys) == 1 else 'them'}, or pass --allow-config-key {keys[0]} to take "
             f"responsibility")
 

@@ -20,7 +20,7 @@ import ml_dtypes
 import numpy as np
 
 from thinconv import strictjson
-from thinconv.errors import CheckpointError, shown
+from thinconv.errors import CheckpointError, clipped, shown
 from thinconv.memory import FAULT_AROUND, drop_resident
 
 MAX_HEADER_SIZE = 100_000_000  # same limit as the Rust crate
@@ -262,8 +262,7 @@ def _tensor_info(name: str, info: object,
 
 def _json_short(value: object, limit: int = 60) -> str:
     """A header value as JSON, cut to `limit` characters (messages stay one short line)."""
-    text = json.dumps(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    return clipped(json.dumps(value), limit)
 
 
 def _nbytes(shape, itemsize: int, limit: int) -> int | None:

@@ -20,7 +20,7 @@ import numpy as np
 
 from thinconv.checkpoint.safetensors import SafetensorsFile, TensorEntry, open_safetensors
 from thinconv import strictjson
-from thinconv.errors import CheckpointError
+from thinconv.errors import CheckpointError, clipped
 
 CONFIG_NAME = "config.json"
 GENERATION_CONFIG_NAME = "generation_config.json"
@@ -362,8 +362,7 @@ def _no_constant(name: str) -> None:
 
 
 def _clip(error: BaseException, limit: int = 160) -> str:
-    text = str(error)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    return clipped(str(error), limit)
 
 
 def _read_index(root: Path, label: str) -> dict[str, str] | None:

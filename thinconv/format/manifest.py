@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from thinconv import strictjson
-from thinconv.errors import ThinFormatError, listed, shown
+from thinconv.errors import ThinFormatError, clipped, listed, shown
 from thinconv.format import dtypes, schema, spec
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -150,7 +150,7 @@ def _short(v: Any) -> str:
         s = json.dumps(v, ensure_ascii=False, default=str)
     except RecursionError:  # parse_manifest accepts nesting up to about the recursion limit
         return "a deeply nested value"
-    return s if len(s) <= 60 else s[:57] + "..."
+    return clipped(s, 60)
 
 
 # -- the manifest sections --
