@@ -158,7 +158,7 @@ def exact_in(values: np.ndarray, dtype: str) -> bool:
 def check_free(out: Path, force: bool, *, folder: bool) -> None:
     """Fail before any work when `out` may not be written: an existing file (or non-empty folder)
     without `force`, a file where a folder is wanted (or the reverse), or a missing parent folder."""
-    parent = out.parent if str(out.parent) else Path(".")
+    parent = out.parent
     if not parent.is_dir():
         raise ExportError(f"{parent}: no such folder (create it first)")
     if not out.exists() and not out.is_symlink():
@@ -195,7 +195,7 @@ def atomic_folder(dest: Path, force: bool) -> Iterator[Path]:
     or anything with `force`) in one rename. On failure nothing is left behind and a previous
     `dest` is untouched."""
     check_free(dest, force, folder=True)
-    parent = dest.parent if str(dest.parent) else Path(".")
+    parent = dest.parent
     temp, aside = TempOutput(dest), TempOutput(dest, ".old")  # named before they exist: see TempOutput
     old = None
     try:
@@ -231,7 +231,7 @@ def atomic_file(out: Path, force: bool) -> Iterator[Path]:
     """Yield a temp file path beside `out` to write (and fsync); on success it is renamed to `out`
     (which must not exist unless `force`). On failure nothing is left behind."""
     check_free(out, force, folder=False)
-    parent = out.parent if str(out.parent) else Path(".")
+    parent = out.parent
     temp, lock = TempOutput(out), None
     try:
         try:

@@ -70,7 +70,7 @@ def unpack(archive: Archive, dest: str | os.PathLike, *, force: bool = False) ->
             raise PackError(f"{dest} exists and is not a directory")
         if any(dest.iterdir()) and not force:
             raise PackError(f"{dest} is not empty (use --force to replace it)")
-    parent = dest.parent if str(dest.parent) else Path(".")
+    parent = dest.parent
     temp, aside = TempOutput(dest), TempOutput(dest, ".old")  # named before they exist: see TempOutput
     old = None
     try:

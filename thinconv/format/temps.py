@@ -20,8 +20,7 @@ except ImportError:  # not POSIX: temp files are not locked, and none is ever ca
 
 def temp_pattern(out: Path) -> str:
     """The glob of the temp files the writers make for `out` (``.NAME.*.tmp`` in out's folder)."""
-    folder = out.parent if str(out.parent) else Path(".")
-    return os.path.join(glob.escape(str(folder)), f".{glob.escape(out.name)}.*.tmp")
+    return os.path.join(glob.escape(str(out.parent)), f".{glob.escape(out.name)}.*.tmp")
 
 
 class TempOutput:
@@ -31,11 +30,10 @@ class TempOutput:
 
     def __init__(self, out: Path, suffix: str = ".tmp"):
         self.out, self.suffix = out, suffix
-        self.folder = out.parent if str(out.parent) else Path(".")
         self.path: Path | None = None
 
     def _name(self) -> Path:
-        return self.folder / f".{self.out.name}.{secrets.token_hex(6)}{self.suffix}"
+        return self.out.parent / f".{self.out.name}.{secrets.token_hex(6)}{self.suffix}"
 
     def create(self) -> int:
         """Create the file (mode 0600), open for writing and flock()ed for as long as the returned
@@ -80,8 +78,13 @@ def _lock_and_check(fd: int, path: Path) -> bool:
         if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL):
             raise
         return True  # no flock on this filesystem: the cleaner cannot lock it either, so never removes it
+    return _still_named(os.fstat(fd), path)
+
+
+def _still_named(st: os.stat_result, path: str | os.PathLike) -> bool:
+    """Whether `path` still names the file `st` describes (not removed, replaced or renamed away)."""
     try:
-        st, now = os.fstat(fd), os.stat(path, follow_symlinks=False)
+        now = os.stat(path, follow_symlinks=False)
     except FileNotFoundError:
         return False
     return (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino)
@@ -109,8 +112,7 @@ def remove_stale_temps(out: str | os.PathLike) -> list[Path]:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
                 continue  # a running conversion is writing it
-            now = os.stat(name, follow_symlinks=False)
-            if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):  # not renamed into place meanwhile
+            if _still_named(st, name):  # not renamed into place meanwhile
                 os.unlink(name)
                 removed.append(Path(name))
         except OSError:

@@ -185,7 +185,7 @@ def check_output(out: Path, force: bool, reads: Iterable[Path] = ()) -> None:
                 continue
             if same:
                 raise PackError(f"{out} is {path}, which this command reads; write the output elsewhere")
-    folder = out.parent if str(out.parent) else Path(".")
+    folder = out.parent
     if not folder.is_dir():
         raise PackError(f"output folder {folder} does not exist")
     if not os.access(folder, os.W_OK):
@@ -269,7 +269,7 @@ def _write_atomically(out: Path, force: bool, write: Callable[[Any], None],
     """Write through a temp file in out's folder; fsync; `check(temp path)`; rename. Nothing is left
     behind on failure. The temp stays flock()ed until it is renamed or removed. Temp files of `out`
     that a killed earlier run left are removed first; returns them."""
-    folder = out.parent if str(out.parent) else Path(".")
+    folder = out.parent
     stale = remove_stale_temps(out)
     temp, lock = TempOutput(out), None
     try:
