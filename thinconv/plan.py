@@ -206,11 +206,12 @@ def plan_conversion(ckpt: Checkpoint, recipe: Recipe, options: ConvertOptions) -
         tensors.append(TensorPlan(name, role, layer, sources, shape, source_dtype, dtype, _pages(shape, rb, options),
                                   rb, permute_rope=_rope_permutation(recipe, options, role),
                                   transform=transform, note=note, fp8_block=fp8))
+    assets = []
     for f in ckpt.asset_files():
         if f.size > spec.MAX_ASSET_SIZE:
             raise ConversionError(f"{f.path}: {f.size} bytes, beyond the {spec.MAX_ASSET_SIZE // 2**30} GiB an "
                                   f"embedded file may have (FORMAT.md §2.6)")
-    assets = [AssetPlan(f, split_bytes(f.size, options.page_size)) for f in ckpt.asset_files()]
+        assets.append(AssetPlan(f, split_bytes(f.size, options.page_size)))
     return Plan(recipe, model, options, tensors, assets, report)
 
 

@@ -268,3 +268,9 @@ def print_table(table: Table) -> None:
 
 def print_json(data) -> None:
     sys.stdout.write(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+
+
+def render_removed_temps(paths) -> None:
+    """The stale temp files of this output that a killed earlier run left, and this run removed."""
+    for p in paths:
+        out.print(f"removed a stale temp file left by an interrupted run: {p}")

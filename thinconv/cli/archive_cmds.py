@@ -8,7 +8,8 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from thinconv.cli.app import app, byte_progress, err, examples, fail, human, out, print_json, print_table, reported
+from thinconv.cli.app import (app, byte_progress, err, examples, fail, human, out, print_json, print_table,
+                              render_removed_temps, reported)
 from thinconv.errors import MAX_LINE, ThinError, ThinFormatError, one_line
 
 ARCHIVE = typer.Argument(..., metavar="ARCHIVE", help="A .thin archive.")
@@ -249,8 +250,7 @@ def pack_cmd(staging: Path = typer.Argument(..., metavar="STAGING", help="A fold
         return
     out.print(f"wrote {result.path} ({human(result.size)}, {result.page_count} pages)")
     out.print(f"archive hash {result.archive_hash}")
-    for p in result.removed_temps:
-        out.print(f"removed a stale temp file left by an interrupted run: {p}")
+    render_removed_temps(result.removed_temps)
 
 
 @app.command(epilog=examples("thinconv unpack tiny.thin staging/", "thinconv unpack tiny.thin staging/ --force --json"))

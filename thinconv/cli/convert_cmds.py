@@ -13,7 +13,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from thinconv.cli.app import (RichProgress, app, byte_progress, err, examples, human, out, print_json, print_table,
-                              recipe_app, reported)
+                              recipe_app, render_removed_temps, reported)
 from thinconv.errors import RecipeError
 
 
@@ -70,12 +70,6 @@ def render_conversion(s: dict) -> None:
     if u:
         shadows = f"; it shadows {' and '.join(u['shadows'])}" if u["shadows"] else ""
         out.print(f"note: user recipe {u['name']} from {u['path']} (sha256 {u['sha256']}){shadows}")
-
-
-def render_removed_temps(paths: list[str]) -> None:
-    """The stale temp files of this output that a killed earlier run left, and this run removed."""
-    for p in paths:
-        out.print(f"removed a stale temp file left by an interrupted run: {p}")
 
 
 def render_kept_wider(kept: list[dict], compact_names) -> None:
