@@ -283,28 +283,27 @@ def main() -> None:
     ap.add_argument("--moe-dtypes", default="auto,q8_0")
     ap.add_argument("--results", type=Path, default=None, help="Also write the table to this markdown file.")
     args = ap.parse_args()
-    models = {"1×": 10} if args.no_2x else {"1×": 10, "2×": 24}  # 24 layers: 2.04× the bytes
-    results = {}
-    for label, layers in models.items():
-        src = build_in_child(make_checkpoint, args.cache / f"llama-h2048-l{layers}", layers)
-        work = args.work or args.cache / "work"
-        work.mkdir(parents=True, exist_ok=True)
-        print(f"{label}: {src} …", file=sys.stderr, flush=True)
-        results[label] = bench_model(src, work, args.runs, args.dtypes.split(","))
-        for p in work.glob("*.thin"):
-            p.unlink()
-    table = report(results, args.runs)
-    if not args.no_moe:
-        moe_models = {"1×": 5} if args.no_2x else {"1×": 5, "2×": 12}  # 12 layers: 2.09× the bytes
-        moe_results = {}
-        for label, layers in moe_models.items():
-            src = build_in_child(make_moe_checkpoint, args.cache / f"mixtral-h2048-e8-l{layers}", layers)
-            work = args.work or args.cache / "work"
-            work.mkdir(parents=True, exist_ok=True)
-            print(f"MoE {label}: {src} …", file=sys.stderr, flush=True)
-            moe_results[label] = bench_model(src, work, args.runs, args.moe_dtypes.split(","))
+    work = args.work or args.cache / "work"
+    work.mkdir(parents=True, exist_ok=True)
+
+    def bench_sizes(make, name: str, sizes: dict[str, int], dtypes: str, title: str = "") -> dict:
+        """Each size's checkpoint (built once, cached) benchmarked; its archives deleted after."""
+        results = {}
+        for label, layers in sizes.items():
+            src = build_in_child(make, args.cache / f"{name}-l{layers}", layers)
+            print(f"{title}{label}: {src} …", file=sys.stderr, flush=True)
+            results[label] = bench_model(src, work, args.runs, dtypes.split(","))
             for p in work.glob("*.thin"):
                 p.unlink()
+        return results
+
+    # 24 layers: 2.04× the bytes of 10; 12 MoE layers: 2.09× those of 5
+    results = bench_sizes(make_checkpoint, "llama-h2048", {"1×": 10} if args.no_2x else {"1×": 10, "2×": 24},
+                          args.dtypes)
+    table = report(results, args.runs)
+    if not args.no_moe:
+        moe_results = bench_sizes(make_moe_checkpoint, "mixtral-h2048-e8", {"1×": 5} if args.no_2x else
+                                  {"1×": 5, "2×": 12}, args.moe_dtypes, "MoE ")
         table += "\n" + moe_report(moe_results, results)
     print(table)
     if args.results:

@@ -10,7 +10,6 @@ summary, every tensor and asset read. Prints the tally (see fuzz_common).
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import random
@@ -21,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from fuzz_common import INTERESTING, RAW_NUMBERS, ROOT, Tally, limit_address_space, run_case
+from fuzz_common import INTERESTING, RAW_NUMBERS, ROOT, Tally, main, run_case
 
 import blake3  # noqa: E402
 
@@ -231,27 +230,12 @@ def fuzz(cases: int, seed: int = 0, report_every: int = 0) -> Tally:
             kind, data = mutate(base, rng, paths, model_paths)
             target.write_bytes(data)
             run_case(tally, f"case {i} (seed {seed}, {kind})", lambda: check_one(target))
-            if report_every and (i + 1) % report_every == 0:
-                print(f"  … {i + 1} cases, {tally.counts['crashed']} crashed, {time.perf_counter() - t0:.0f} s",
-                      flush=True)
+            tally.progress(i + 1, t0, report_every)
         tally.elapsed = time.perf_counter() - t0
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     return tally
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--cases", type=int, default=1000)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--progress", type=int, default=0, help="print a line every N cases")
-    args = p.parse_args()
-    limit_address_space()
-    tally = fuzz(args.cases, args.seed, args.progress)
-    print("\n".join(tally.lines("fuzz_archives")))
-    bad = tally.counts["crashed"] + tally.counts["over_time"] + tally.counts["over_memory"]
-    return 1 if bad else 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main('fuzz_archives', __doc__, fuzz))

@@ -9,6 +9,7 @@ is the growth of the process's peak RSS (VmHWM, reset before each case through
 
 from __future__ import annotations
 
+import argparse
 import os
 import resource
 import signal
@@ -52,6 +53,16 @@ class Tally:
     @property
     def cases(self) -> int:
         return self.counts["rejected"] + self.counts["accepted"] + self.counts["crashed"]
+
+    @property
+    def failed(self) -> int:
+        """Cases that missed the target: crashed, over time or over memory."""
+        return self.counts["crashed"] + self.counts["over_time"] + self.counts["over_memory"]
+
+    def progress(self, done: int, t0: float, every: int) -> None:
+        """A progress line every `every` cases (0: never)."""
+        if every and done % every == 0:
+            print(f"  … {done} cases, {self.counts['crashed']} crashed, {time.perf_counter() - t0:.0f} s", flush=True)
 
     def lines(self, what: str) -> list[str]:
         c = self.counts
@@ -98,6 +109,20 @@ def limit_address_space() -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     if soft == resource.RLIM_INFINITY or soft > ADDRESS_SPACE:
         resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE, hard))
+
+
+def main(name: str, doc: str, fuzz: Callable[[int, int, int], Tally]) -> int:
+    """A fuzzer's command line: --cases, --seed, --progress; prints the tally; exit 1 when a case
+    missed the target."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--cases", type=int, default=1000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--progress", type=int, default=0, help="print a line every N cases")
+    args = p.parse_args()
+    limit_address_space()
+    tally = fuzz(args.cases, args.seed, args.progress)
+    print("\n".join(tally.lines(name)))
+    return 1 if tally.failed else 0
 
 
 def run_case(tally: Tally, label: str, case: Callable[[], bool]) -> None:
