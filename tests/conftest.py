@@ -286,11 +286,25 @@ def leftovers(folder: Path) -> list[str]:
     return sorted(p.name for p in Path(folder).iterdir())
 
 
-def write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
-    """Write a safetensors file by hand (bf16 arrays included), tensors in the given order."""
+def assert_convert_refused(src: Path, out_dir: Path, *needles: str) -> None:
+    """`thinconv convert src out_dir/out.thin` exits 1 with one error line naming every needle, and
+    leaves nothing in `out_dir` (created here)."""
+    from typer.testing import CliRunner
+
+    from thinconv.cli import app
+
+    out_dir.mkdir(parents=True)
+    r = CliRunner().invoke(app, ["convert", str(src), str(out_dir / "out.thin")])
+    assert r.exit_code == 1, r.output
+    assert_one_line_error(r.stderr, *needles)
+    assert leftovers(out_dir) == []
+
+
+def write_safetensors(path: Path, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> None:
+    """Write a safetensors file by hand (bf16 and fp8 arrays included), tensors in the given order."""
     codes = {np.dtype("float32"): "F32", np.dtype("float16"): "F16", np.dtype(ml_dtypes.bfloat16): "BF16",
-             np.dtype("float64"): "F64", np.dtype("int64"): "I64"}
-    header, blobs, off = {}, [], 0
+             np.dtype("float64"): "F64", np.dtype("int64"): "I64", np.dtype(ml_dtypes.float8_e4m3fn): "F8_E4M3"}
+    header, blobs, off = ({"__metadata__": metadata} if metadata is not None else {}), [], 0
     for name, arr in tensors.items():
         data = np.ascontiguousarray(arr).tobytes()
         header[name] = {"dtype": codes[arr.dtype], "shape": list(arr.shape), "data_offsets": [off, off + len(data)]}

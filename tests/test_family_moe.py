@@ -28,7 +28,8 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from conftest import Thin, assert_one_line_error, leftovers, load_safetensors_folder, write_safetensors
+from conftest import (Thin, assert_convert_refused, assert_one_line_error, leftovers, load_safetensors_folder,
+                      write_safetensors)
 from families import VOCAB, build, drop_tensors, edit_config, hf_greedy
 from thinconv.cli import app
 
@@ -690,12 +691,7 @@ def test_bad_input_is_one_clear_line(sources, work, case):
         write_safetensors(src / "model.safetensors", tensors)
     if cfg:
         edit_config(src, **cfg)
-    out_dir = work / "bad-out" / tag
-    out_dir.mkdir(parents=True)
-    r = runner.invoke(app, ["convert", str(src), str(out_dir / "out.thin")])
-    assert r.exit_code == 1, r.output
-    assert_one_line_error(r.stderr, *needles)
-    assert leftovers(out_dir) == []
+    assert_convert_refused(src, work / "bad-out" / tag, *needles)
 
 
 def test_report_measured_figures():

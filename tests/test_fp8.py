@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from conftest import Thin, assert_one_line_error, leftovers, load_safetensors_folder
+from conftest import Thin, assert_convert_refused, load_safetensors_folder, write_safetensors
 from families import VOCAB, build, edit_config
 from thinconv.cli import app
 
@@ -67,20 +67,6 @@ def quantized(name: str, arr: np.ndarray) -> bool:
         not name.endswith(("mlp.gate.weight", "shared_expert_gate.weight"))
 
 
-def write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
-    """A safetensors file by hand (F8_E4M3, BF16 and F32 tensors)."""
-    codes = {np.dtype(FP8): "F8_E4M3", np.dtype(ml_dtypes.bfloat16): "BF16", np.dtype("float32"): "F32"}
-    header, blobs, off = {"__metadata__": {"format": "pt"}}, [], 0
-    for name, arr in tensors.items():
-        data = np.ascontiguousarray(arr).tobytes()
-        header[name] = {"dtype": codes[arr.dtype], "shape": list(arr.shape), "data_offsets": [off, off + len(data)]}
-        blobs.append(data)
-        off += len(data)
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    path.write_bytes(struct.pack("<Q", len(raw)) + raw + b"".join(blobs))
-
-
 def make_fp8(src: Path, dst: Path, block=BLOCK, scale_block=None) -> dict[str, np.ndarray]:
     """An FP8 copy of the f32 checkpoint `src` at `dst`; returns name → the dequantized f32 weights
     (numpy's block dequantization for FP8 tensors, the bf16 values for the others).
@@ -99,7 +85,7 @@ def make_fp8(src: Path, dst: Path, block=BLOCK, scale_block=None) -> dict[str, n
         else:
             out[name] = arr.astype(ml_dtypes.bfloat16)
             deq[name] = out[name].astype(np.float32)
-    write_safetensors(dst / "model.safetensors", out)
+    write_safetensors(dst / "model.safetensors", out, {"format": "pt"})
     edit_config(dst, quantization_config={**QCONFIG, "weight_block_size": list(block)}, dtype="bfloat16")
     return deq
 
@@ -252,20 +238,27 @@ def test_scales_are_consumed_not_unmapped(edge):
 
 # ---------------------------------------------------------------- transformers, on block-divisible sizes
 
+def _check_against_fp8(archive: Path, src: Path) -> tuple[int, dict]:
+    """`thinconv check ARCHIVE --against SRC --json` on an FP8 source: (exit code, the JSON).
+    transformers needs `accelerate` to load FP8; its CPU path only dequantizes and never uses it,
+    so the availability check is patched."""
+    import transformers.quantizers.quantizer_finegrained_fp8 as q
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(q, "is_accelerate_available", lambda: True)
+        r = runner.invoke(app, ["check", str(archive), "--against", str(src), "--json"])
+    return r.exit_code, json.loads(r.stdout)
+
+
 def test_check_against_transformers_on_block_divisible_sizes(divisible, work):
     """With every size a multiple of the 32×32 block, transformers' own FP8 dequantization is right:
     `check --against` the FP8 source passes (transformers needs `accelerate` to load FP8; its CPU
     path only dequantizes and never uses it, so the availability check is patched here)."""
-    import transformers.quantizers.quantizer_finegrained_fp8 as q
-
     src, _ = divisible
     out = work / "div.thin"
     convert(src, out, "--dtype", "f32")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(q, "is_accelerate_available", lambda: True)
-        r = runner.invoke(app, ["check", str(out), "--against", str(src), "--json"])
-    res = json.loads(r.stdout)
-    assert r.exit_code == 0 and res["ok"] and res["reference"] == "transformers", res
+    code, res = _check_against_fp8(out, src)
+    assert code == 0 and res["ok"] and res["reference"] == "transformers", res
     assert res["max_rel_diff"] < 1e-4
     print(f"MEASURED fp8 (block-divisible) vs transformers: max_rel_diff {res['max_rel_diff']:.3g}")
 
@@ -281,12 +274,7 @@ def _variant(edge, work: Path, tag: str) -> Path:
 
 
 def _refused(src: Path, work: Path, tag: str, *needles: str) -> None:
-    out_dir = work / "bad-out" / tag
-    out_dir.mkdir(parents=True)
-    r = runner.invoke(app, ["convert", str(src), str(out_dir / "out.thin")])
-    assert r.exit_code == 1, r.output
-    assert_one_line_error(r.stderr, *needles)
-    assert leftovers(out_dir) == []
+    assert_convert_refused(src, work / "bad-out" / tag, *needles)
 
 
 @pytest.mark.parametrize("method", ["gptq", "awq", "bitsandbytes", "compressed-tensors"])
@@ -300,7 +288,7 @@ def test_fp8_without_its_scales(edge, work):
     src = _variant(edge, work, "noscale")
     tensors = _load_raw(src)
     del tensors["model.layers.1.mlp.experts.2.up_proj.weight_scale_inv"]
-    write_safetensors(src / "model.safetensors", tensors)
+    write_safetensors(src / "model.safetensors", tensors, {"format": "pt"})
     _refused(src, work, "noscale", "experts.2.up_proj.weight", "is fp8 but", "_scale_inv", "missing")
 
 
@@ -337,16 +325,11 @@ def _load_raw(folder: Path) -> dict[str, np.ndarray]:
 def test_semantics_of_a_lossy_archive_of_an_fp8_source(divisible, work):
     """A q8_0 archive of an FP8 source, against it: semantics loads the source's config without its
     quantization_config (the archive's weights are plain floats) and agrees to the exact bound."""
-    import transformers.quantizers.quantizer_finegrained_fp8 as q
-
     src, _ = divisible
     out = work / "div-q8_0.thin"
     convert(src, out, "--dtype", "q8_0")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(q, "is_accelerate_available", lambda: True)
-        r = runner.invoke(app, ["check", str(out), "--against", str(src), "--json"])
-    res = json.loads(r.stdout)
-    assert r.exit_code == 0 and res["ok"] and res["dtype_class"] == "q8_0", res
+    code, res = _check_against_fp8(out, src)
+    assert code == 0 and res["ok"] and res["dtype_class"] == "q8_0", res
     sem = res["semantics"]
     assert sem["ok"] and sem["top1_agreement"] == 1.0 and sem["max_rel_diff"] < 1e-4
     print(f"MEASURED fp8 → q8_0: semantics max_rel_diff {sem['max_rel_diff']:.3g}, fidelity mean KL "
